@@ -1,0 +1,113 @@
+"""`AsyncTConfig`: the checkpoint's config.json, with the spec's defaults, and named presets."""
+import math
+
+import torch
+
+from transformers import PretrainedConfig
+
+
+class AsyncTConfig(PretrainedConfig):
+    model_type = "asynct"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=None,
+        head_dim=None,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_scale=None,
+        asynci_pool_size=3,
+        asynci_relu_pre=True,
+        initializer_range=0.02,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        torch_dtype=None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.attention_scale = attention_scale
+        self.asynci_pool_size = asynci_pool_size
+        self.asynci_relu_pre = asynci_relu_pre
+        self.initializer_range = initializer_range
+        kwargs["dtype"] = kwargs.get("dtype") or torch_dtype or "bfloat16"
+        super().__init__(
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            tie_word_embeddings=tie_word_embeddings,
+            **kwargs,
+        )
+        self.validate_asynct()
+
+    def to_dict(self):
+        # `dyht_shapes` is derived from the tensors at load time; it is not part of config.json.
+        d = super().to_dict()
+        d.pop("dyht_shapes", None)
+        if d.get("dtype") is not None:
+            d["torch_dtype"] = d["dtype"]  # the spec's (and Megatron converters') name for it
+        return d
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        dt = self.dtype
+        return dt if isinstance(dt, torch.dtype) else getattr(torch, str(dt).replace("torch.", ""))
+
+    @property
+    def scale(self) -> float:
+        """The AsyncI score scale: 1/sqrt(model width) unless the checkpoint says otherwise."""
+        if self.attention_scale is not None:
+            return float(self.attention_scale)
+        return 1.0 / math.sqrt(self.hidden_size)
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def validate_asynct(self):
+        problems = []
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                            f"num_key_value_heads={self.num_key_value_heads}")
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for RoPE")
+        if not isinstance(self.asynci_pool_size, int) or self.asynci_pool_size < 1:
+            problems.append(f"asynci_pool_size={self.asynci_pool_size!r} must be an integer >= 1")
+        if problems:
+            raise ValueError("invalid AsyncT config: " + "; ".join(problems))
+
+
+# Random-weight presets for tests and benchmarks. `bench-0.6b` is the spec's reference shape.
+PRESETS = {
+    "tiny": dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32"),
+    "small": dict(vocab_size=259, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                  max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "bench-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                       num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                       tie_word_embeddings=True, torch_dtype="bfloat16"),
+}
+
+
+def preset_config(name: str, **overrides) -> AsyncTConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return AsyncTConfig(**{**PRESETS[name], **overrides})

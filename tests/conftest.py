@@ -1,0 +1,21 @@
+import os
+
+import torch
+
+# Triton kernels run under the interpreter where there is no GPU; this must be set before
+# anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+import asynct  # noqa: E402,F401  (registers the Auto classes)
+from asynct.model.checkpoint import make_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(tmp_path_factory):
+    """A float32 tiny checkpoint with a byte-level tokenizer, shared by the whole session."""
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1)

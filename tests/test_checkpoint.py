@@ -1,0 +1,100 @@
+"""Checkpoint loading: sharded, tied/untied, round trip, and one error naming every problem."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from asynct import AsyncTForCausalLM
+from asynct.model.checkpoint import CheckpointError, make_checkpoint
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+IDS = torch.arange(3, 40)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_sharded_equals_single(tmp_path, tied):
+    single = make_checkpoint("tiny", tmp_path / "one", seed=5, tie_word_embeddings=tied)
+    sharded = make_checkpoint("tiny", tmp_path / "many", seed=5, tie_word_embeddings=tied, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").exists()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 2
+    assert ("lm_head.weight" in load_file(single / "model.safetensors")) != tied
+    a = AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32)
+    assert torch.equal(logits(a, IDS), logits(b, IDS))
+
+
+def test_save_pretrained_round_trips(tmp_path, tiny_ckpt):
+    a = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32)
+    a.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "asynct"
+    b = AsyncTForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert torch.equal(logits(a, IDS), logits(b, IDS))
+    ta, tb = load_file(tiny_ckpt / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_scalar_and_channel_alpha_round_trip(tmp_path, tiny_ckpt):
+    t = load_file(tiny_ckpt / "model.safetensors")
+    t["model.norm.alpha"] = torch.full((64,), 0.7)
+    t["model.layers.0.self_attn.q_norm.weight"] = torch.full((1,), 1.5)
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    save_file(t, tmp_path / "ck" / "model.safetensors", metadata={"format": "pt"})
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
+    assert m.model.norm.alpha.shape == (64,) and m.model.layers[1].input_layernorm.alpha.shape == (1,)
+    m.save_pretrained(tmp_path / "out")
+    assert load_file(tmp_path / "out" / "model.safetensors")["model.layers.0.self_attn.q_norm.weight"].shape == (1,)
+
+
+def test_every_problem_listed_once(tmp_path, tiny_ckpt):
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    t = load_file(tiny_ckpt / "model.safetensors")
+    del t["model.layers.1.mlp.up_proj.weight"]
+    t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 64)
+    t["model.layers.0.self_attn.sigma"] = torch.zeros(5)
+    t["model.layers.0.extra.bias"] = torch.zeros(2)
+    t["model.norm.alpha"] = torch.zeros(7)
+    save_file(t, tmp_path / "ck" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError) as e:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.float32)
+    msg = str(e.value)
+    assert len(e.value.problems) == 5, msg
+    for name in ("model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.0.self_attn.sigma", "model.layers.0.extra.bias", "model.norm.alpha"):
+        assert name in msg
+
+
+def test_config_contradicting_tensors(tmp_path, tiny_ckpt):
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    cfg = json.loads((tiny_ckpt / "config.json").read_text())
+    cfg.update(vocab_size=300, num_hidden_layers=3, tie_word_embeddings=True)
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError) as e:
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    msg = str(e.value)
+    assert "model.embed_tokens.weight has shape [259, 64]" in msg and "[300, 64]" in msg
+    assert "missing tensor model.layers.2.self_attn.q_proj.weight" in msg
+    assert "unexpected tensor lm_head.weight" in msg and "tie_word_embeddings" in msg
+
+
+def test_missing_files(tmp_path, tiny_ckpt):
+    with pytest.raises(CheckpointError, match="not a directory"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((tiny_ckpt / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "empty")
+    bad = json.loads((tiny_ckpt / "config.json").read_text())
+    del bad["hidden_size"]
+    (tmp_path / "empty" / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(CheckpointError, match="hidden_size"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "empty")
