@@ -30,7 +30,8 @@ def asynci_gate(s: torch.Tensor, valid: torch.Tensor, sigma: torch.Tensor, pool_
 def asynci_attention(q, k, v, sigma, scale, pool_size=3, relu_pre=True, key_mask=None, q_offset=0):
     """q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] -> [B, Hq, Tq, D].
 
-    Query row i sits at key index `q_offset + i` and sees keys 0..q_offset+i. `key_mask` [B, Tk]
+    Query row i sits at key index `q_offset + i` (an int, or a [B] tensor of per-row offsets) and
+    sees keys 0..q_offset+i. `key_mask` [B, Tk]
     (bool) marks real keys; padding keys contribute nothing and pool as zeros.
     Products run in the inputs' dtype with the result taken to fp32, as transformers' eager
     attention does; the gate is fp32."""
@@ -40,8 +41,9 @@ def asynci_attention(q, k, v, sigma, scale, pool_size=3, relu_pre=True, key_mask
     acc = torch.promote_types(q.dtype, torch.float32)  # fp32 gate (fp64 stays fp64 for oracles)
     s = torch.matmul(q, k.transpose(-1, -2)).to(acc) * scale
     tq, tk = s.shape[-2:]
-    rows = torch.arange(tq, device=q.device).view(-1, 1) + q_offset
-    valid = (torch.arange(tk, device=q.device).view(1, -1) <= rows).view(1, 1, tq, tk)
+    offset = q_offset.view(-1, 1, 1, 1) if torch.is_tensor(q_offset) else q_offset
+    rows = torch.arange(tq, device=q.device).view(1, 1, -1, 1) + offset
+    valid = torch.arange(tk, device=q.device).view(1, 1, 1, -1) <= rows
     if key_mask is not None:
         valid = valid & key_mask.bool().view(-1, 1, 1, tk)
     a = asynci_gate(s, valid, sigma, pool_size, relu_pre)

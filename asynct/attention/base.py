@@ -1,0 +1,131 @@
+"""The attention-backend interface (vLLM's shape): backend, per-step metadata, builder, impl.
+
+The builder runs once per step, outside any CUDA graph; its immutable metadata is shared by every
+layer. Decodes come first in a batch, so `[:num_decode_tokens]` is the decode subset everywhere.
+"""
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    num_decodes: int                  # sequences with one query token, first in the batch
+    num_prefills: int                 # sequences with a prefill chunk, after the decodes
+    num_decode_tokens: int
+    num_actual_tokens: int            # real tokens; input buffers may be padded past this
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc: torch.Tensor     # [B + 1] int32, into the step's tokens
+    seq_lens: torch.Tensor            # [B] int32: keys after this step (cached + this step's)
+    block_table: torch.Tensor         # [B, max_blocks] int32
+    slot_mapping: torch.Tensor        # [num_tokens] int64, -1 for padding tokens
+    query_start_loc_cpu: tuple = ()   # host copies, for builders that plan on the CPU
+    seq_lens_cpu: tuple = ()
+
+    @property
+    def num_reqs(self) -> int:
+        return self.num_decodes + self.num_prefills
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_actual_tokens - self.num_decode_tokens
+
+
+@dataclass
+class StepInputs:
+    """What the model runner knows about a step, on the host, before any tensor is built."""
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: list[int]
+    num_decodes: int
+
+
+class AttentionMetadataBuilder(ABC):
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+
+    def common(self, step: StepInputs) -> dict:
+        """The fields every backend needs, built with one host-to-device copy each."""
+        qsl = [0]
+        for n in step.query_lens:
+            qsl.append(qsl[-1] + n)
+        width = max((len(b) for b in step.block_tables), default=0) or 1
+        table = [b + [0] * (width - len(b)) for b in step.block_tables]
+        dev = self.device
+        return dict(
+            num_decodes=step.num_decodes, num_prefills=len(step.query_lens) - step.num_decodes,
+            num_decode_tokens=step.num_decodes, num_actual_tokens=qsl[-1],
+            max_query_len=max(step.query_lens, default=0), max_seq_len=max(step.seq_lens, default=0),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev).view(len(table), width),
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc_cpu=tuple(qsl), seq_lens_cpu=tuple(step.seq_lens))
+
+    @abstractmethod
+    def build(self, step: StepInputs) -> AttentionMetadata:
+        ...
+
+
+class AttentionImpl(ABC):
+    """One per attention layer: holds the layer's constants and its per-head sigma."""
+
+    def __init__(self, num_heads, head_dim, num_kv_heads, scale, sigma, pool_size, relu_pre):
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale, self.sigma, self.pool_size, self.relu_pre = scale, sigma, pool_size, relu_pre
+
+    @abstractmethod
+    def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, output):
+        """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens; writes k/v into `kv_cache`
+        ([2, num_blocks, block_size, Hkv, D]) and the attention of every query into `output`."""
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+    supports_cuda_graphs = False
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim):
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @classmethod
+    @abstractmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        ...
+
+    @classmethod
+    @abstractmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        ...
+
+    # CUDA-graph hooks: the backend owns the static metadata buffers that graphs read.
+    def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int, device):
+        raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch_size: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _BACKENDS[cls.name] = cls
+    return cls
+
+
+def get_backend_cls(name: str) -> type[AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; registered: {sorted(_BACKENDS)}")
+    return _BACKENDS[name]
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)

@@ -1,0 +1,85 @@
+"""The `triton` backend: split-K decode for the decode subset, varlen paged prefill for the rest.
+
+The CUDA-graph hooks keep static metadata buffers for decode-only steps: replay copies the real
+step's rows into them and pads the rest with empty sequences that write nowhere."""
+from dataclasses import dataclass, replace
+
+import torch
+
+from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
+                                   AttentionMetadataBuilder, StepInputs, register_backend)
+from asynct.ops import asynci_decode, asynci_prefill, write_kv_cache
+
+
+@dataclass(frozen=True)
+class TritonAttentionMetadata(AttentionMetadata):
+    prefill_query_start_loc: torch.Tensor | None = None   # query_start_loc[num_decodes:] - num_decodes
+    max_prefill_query_len: int = 0
+    max_prefill_seq_len: int = 0
+    max_decode_seq_len: int = 0
+
+
+class TritonMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, step: StepInputs) -> TritonAttentionMetadata:
+        c = self.common(step)
+        nd = step.num_decodes
+        pre_q, pre_s = step.query_lens[nd:], step.seq_lens[nd:]
+        return TritonAttentionMetadata(
+            **c, prefill_query_start_loc=(c["query_start_loc"][nd:] - nd) if pre_q else None,
+            max_prefill_query_len=max(pre_q, default=0), max_prefill_seq_len=max(pre_s, default=0),
+            max_decode_seq_len=max(step.seq_lens[:nd], default=0))
+
+
+class TritonAttentionImpl(AttentionImpl):
+    def forward(self, q, k, v, kv_cache, md: TritonAttentionMetadata, output):
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        nd, na = md.num_decode_tokens, md.num_actual_tokens
+        args = (self.sigma, self.scale, self.pool_size, self.relu_pre)
+        if nd:
+            asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
+                          max_seq_len=md.max_decode_seq_len)
+        if md.num_prefills:
+            asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
+                           md.seq_lens[nd:], *args, output[nd:na],
+                           max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len)
+        return output
+
+
+@register_backend
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    supports_cuda_graphs = True
+
+    @classmethod
+    def get_builder_cls(cls):
+        return TritonMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls):
+        return TritonAttentionImpl
+
+    def init_capture(self, max_batch_size, max_blocks_per_seq, max_seq_len, device):
+        self.graph_max_seq_len = max_seq_len
+        self.graph_block_table = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.graph_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self.graph_slot_mapping = torch.full((max_batch_size,), -1, dtype=torch.int64, device=device)
+        self.graph_qsl = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+
+    def prepare_for_capture(self, batch_size) -> TritonAttentionMetadata:
+        """Decode-only metadata over the static buffers; the split count is fixed by the
+        longest context a captured graph may meet."""
+        bs = batch_size
+        return TritonAttentionMetadata(
+            num_decodes=bs, num_prefills=0, num_decode_tokens=bs, num_actual_tokens=bs,
+            max_query_len=1, max_seq_len=0, query_start_loc=self.graph_qsl[: bs + 1],
+            seq_lens=self.graph_seq_lens[:bs], block_table=self.graph_block_table[:bs],
+            slot_mapping=self.graph_slot_mapping[:bs], max_decode_seq_len=self.graph_max_seq_len)
+
+    def prepare_for_replay(self, md: TritonAttentionMetadata, batch_size) -> TritonAttentionMetadata:
+        n, width = md.num_decodes, md.block_table.shape[1]
+        self.graph_block_table[:n, :width].copy_(md.block_table, non_blocking=True)
+        self.graph_seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
+        self.graph_seq_lens[n:batch_size].zero_()
+        self.graph_slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
+        self.graph_slot_mapping[n:batch_size].fill_(-1)
+        return replace(self.prepare_for_capture(batch_size), max_seq_len=md.max_seq_len)

@@ -1,0 +1,115 @@
+"""KV-cache blocks: reference counts and prefix caching by chained hashes of full blocks."""
+from collections import deque
+
+from asynct.engine.sequence import Sequence
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1
+        self.token_ids: tuple = ()
+
+
+def chain_hash(prev_hash: int, token_ids) -> int:
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.hash_to_block_id: dict[int, int] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_queries = self.num_hits = 0      # prefix-cache hit rate, in blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def _take_free_block(self) -> Block:
+        block = self.blocks[self.free_block_ids.popleft()]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]   # evict the cached contents it held
+        block.hash, block.token_ids, block.ref_count = -1, (), 1
+        return block
+
+    def _cached_block(self, h: int, token_ids) -> Block | None:
+        bid = self.hash_to_block_id.get(h)
+        if bid is None or self.blocks[bid].token_ids != tuple(token_ids):
+            return None
+        return self.blocks[bid]
+
+    def match_prefix(self, seq: Sequence) -> list[Block]:
+        """Cached full blocks of the prompt, never all of it: the last token is always computed
+        so the sequence has logits to sample from."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        hits, h = [], -1
+        for i in range((seq.num_prompt_tokens - 1) // self.block_size):
+            h = chain_hash(h, seq.block(i))
+            block = self._cached_block(h, seq.block(i))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int, hits: list[Block]) -> int:
+        """Free blocks that computing `num_tokens` more tokens takes (hits sitting in the free
+        list count too: taking them removes them from it)."""
+        computed = seq.num_computed_tokens + len(hits) * self.block_size
+        total = (computed + num_tokens + self.block_size - 1) // self.block_size
+        new = total - len(seq.block_table) - len(hits)
+        return new + sum(1 for b in hits if b.ref_count == 0)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[Block] = ()) -> bool:
+        return self.blocks_needed(seq, num_tokens, hits) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[Block] = ()):
+        """Takes the prefix hits (first scheduling only), then fresh blocks for `num_tokens`."""
+        if hits:
+            for block in hits:
+                if block.ref_count == 0:
+                    self.free_block_ids.remove(block.block_id)
+                block.ref_count += 1
+                seq.block_table.append(block.block_id)
+                seq.block_hashes.append(block.hash)
+            seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        need = (seq.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
+        while len(seq.block_table) < need:
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def record_prefix_query(self, seq: Sequence, hits: list[Block]):
+        self.num_queries += max(0, (seq.num_prompt_tokens - 1) // self.block_size)
+        self.num_hits += len(hits)
+
+    def commit_full_blocks(self, seq: Sequence):
+        """Publishes the hashes of blocks that became full, so later prompts can share them."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else -1, seq.block(i))
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash == -1:
+                block.hash, block.token_ids = h, tuple(seq.block(i))
+                self.hash_to_block_id.setdefault(h, block.block_id)
+
+    def free(self, seq: Sequence):
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids.append(bid)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.num_hits / self.num_queries if self.num_queries else 0.0

@@ -1,0 +1,54 @@
+"""Tokenizer glue: encoding, incremental detokenization and stop strings."""
+from pathlib import Path
+
+from asynct.engine.outputs import Logprob
+from asynct.engine.sequence import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_path(cls, path) -> "Detokenizer | None":
+        """None where the checkpoint has no tokenizer files: token-id prompts still work."""
+        p = Path(path)
+        if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            return None
+        from transformers import AutoTokenizer
+        return cls(AutoTokenizer.from_pretrained(p))
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def annotate(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        for tid, lp in entry.items():
+            if lp.decoded_token is None:
+                lp.decoded_token = self.tokenizer.decode([tid])
+        return entry
+
+    def step(self, seq: Sequence) -> bool:
+        """Extends seq.text by the newest token (holding back incomplete UTF-8); True when a
+        stop string appeared, after cutting the text there."""
+        ids, skip = seq.token_ids, seq.params.skip_special_tokens
+        prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], skip)
+        full = self.decode(ids[seq.detok_prefix_offset:], skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False
+        start = len(seq.text)
+        seq.text += full[len(prefix):]
+        seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+        return self._cut_at_stop(seq, start)
+
+    @staticmethod
+    def _cut_at_stop(seq: Sequence, new_from: int) -> bool:
+        for stop in seq.params.stop_list:
+            idx = seq.text.find(stop, max(0, new_from - len(stop) + 1))
+            if idx >= 0:
+                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.text, seq.stop_reason = seq.text[:end], stop
+                return True
+        return False

@@ -1,0 +1,231 @@
+"""The engine loop: requests in, one scheduled mixed batch per step, outputs out."""
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from asynct.engine.block_manager import BlockManager
+from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.model_runner import ModelRunner
+from asynct.engine.outputs import CompletionOutput, RequestOutput
+from asynct.engine.sampling_params import SamplingParams
+from asynct.engine.scheduler import Scheduler
+from asynct.engine.sequence import Sequence
+from asynct.model.checkpoint import prepare_config_for_load
+
+log = logging.getLogger("asynct")
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
+    num_kv_blocks: int | None = None      # overrides both sizings (tests)
+    tokenizer: str | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    stream: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def incremental(self) -> bool:
+        return self.stream or bool(self.params.stop_list)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.config = prepare_config_for_load(args.model)
+        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(args.dtype, self.config, self.device)
+        self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)
+        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
+                                  args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
+                                  self.max_model_len, args.enforce_eager)
+        num_blocks = self._num_kv_blocks()
+        if num_blocks * args.block_size < self.max_model_len:
+            log.warning("KV cache holds %d tokens: max_model_len lowered from %d", num_blocks * args.block_size,
+                        self.max_model_len)
+            self.max_model_len = num_blocks * args.block_size
+        self.runner.max_model_len = self.max_model_len
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "decode_steps": 0,
+                      "decode_time": 0.0}
+
+    def _num_kv_blocks(self) -> int:
+        a = self.args
+        if a.num_kv_blocks:
+            return a.num_kv_blocks
+        if self.device.type == "cuda":
+            peak = self.runner.profile_peak_memory()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            budget = total * a.gpu_memory_utilization - peak
+        else:
+            budget = a.kv_cache_memory
+        blocks = int(budget // self.runner.block_bytes)
+        if blocks < 2:
+            raise ValueError(f"no room for a KV cache: {budget / 2**20:.0f} MiB left after the model; "
+                             "raise gpu_memory_utilization or kv_cache_memory")
+        return blocks
+
+    # ---- requests -------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    stream: bool = False) -> Request:
+        """Validates and queues a request; raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._tokenize(prompt)
+        self._check_prompt(ids, params)
+        req = Request(request_id, text, ids, params, stream=stream)
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, i, ids, params, self.args.block_size, len(self.requests))
+            req.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = req
+        return req
+
+    def _tokenize(self, prompt):
+        if isinstance(prompt, str):
+            if self.detokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
+            return prompt, self.detokenizer.encode(prompt)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt token ids must be integers")
+        return None, ids
+
+    def _check_prompt(self, ids, params):
+        if not ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
+                             f"{self.max_model_len - 1} prompt tokens (max_model_len={self.max_model_len})")
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.vocab_size:
+            raise ValueError("prompt_logprobs exceeds the vocabulary size")
+
+    def abort_request(self, request_id: str):
+        req = self.requests.pop(request_id, None)
+        for seq in req.seqs if req else []:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        t0 = time.perf_counter()
+        out = self.runner.run(batch)
+        self._count(batch, time.perf_counter() - t0)
+        touched = {}
+        for seq, n, token, lp, plp in zip(batch.seqs, batch.num_tokens, out.tokens, out.logprobs,
+                                          out.prompt_logprobs):
+            seq.num_computed_tokens += n
+            if seq.prompt_logprobs is not None:
+                seq.prompt_logprobs.extend(plp)
+            self.block_manager.commit_full_blocks(seq)
+            if token is not None and not seq.is_finished:
+                self._append(seq, token, lp)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._output(req) for req in touched.values()]
+
+    def _count(self, batch, seconds):
+        self.stats["steps"] += 1
+        self.stats["prompt_tokens"] += batch.total_tokens - batch.num_decodes
+        if batch.num_decodes == len(batch.seqs):
+            self.stats["decode_steps"] += 1
+            self.stats["decode_time"] += seconds
+
+    def _append(self, seq: Sequence, token: int, logprob):
+        seq.append_token(token)
+        self.stats["generation_tokens"] += 1
+        if logprob is not None:
+            seq.logprobs.append(self.detokenizer.annotate(logprob) if self.detokenizer else logprob)
+            seq.cumulative_logprob += logprob[token].logprob
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int):
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if token == self.config.eos_token_id and not p.ignore_eos:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        if self.detokenizer and self.requests[seq.request_id].incremental:
+            if self.detokenizer.step(seq) and seq.num_output_tokens >= p.min_tokens:
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        return "length" if len(seq) >= self.max_model_len else None
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, self._text(s, req), s.output_token_ids,
+                                 s.cumulative_logprob if s.logprobs is not None else None,
+                                 s.logprobs, s.finish_reason, s.stop_reason) for s in req.seqs]
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        s0 = req.seqs[0]
+        plp = s0.prompt_logprobs
+        if plp is not None and self.detokenizer:
+            plp = [None] + [self.detokenizer.annotate(e) for e in plp[1:]]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, req.finished,
+                             num_cached_tokens=s0.num_cached_tokens)
+
+    def _text(self, seq: Sequence, req: Request) -> str:
+        """Text is kept current each step only where stop strings or streaming need it."""
+        if self.detokenizer is None:
+            return ""
+        if req.incremental:
+            return seq.text
+        return self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens) \
+            if seq.is_finished else ""
+
+
+def resolve_dtype(dtype, config, device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        # bf16 matmuls are slow on CPUs; there the engine computes in fp32 unless asked
+        return config.weights_dtype if device.type == "cuda" else torch.float32
+    if dtype in ("half", "float16", "bfloat16", "float32", "float", "bf16", "fp16", "fp32"):
+        alias = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        return getattr(torch, alias.get(dtype, dtype))
+    raise ValueError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")

@@ -1,0 +1,71 @@
+"""Batched sampling with per-row parameters: greedy, temperature, top-k, top-p, min-p, seeds.
+
+Sampling uses the exponential race (argmax p / E with E ~ Exp(1)), so a seeded request draws
+its own noise row from its own generator and gets the same tokens in any batch."""
+import torch
+
+from asynct.engine.sequence import Sequence
+
+
+def _filter_top_k_top_p_min_p(logits, seqs):
+    """Masks, per row, tokens outside top-k, outside the top-p nucleus, or under min-p."""
+    top_k = [s.params.top_k or logits.shape[1] for s in seqs]
+    top_p = [s.params.top_p for s in seqs]
+    min_p = [s.params.min_p for s in seqs]
+    if all(k >= logits.shape[1] for k in top_k) and all(p >= 1 for p in top_p) and not any(min_p):
+        return logits
+    dev = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=dev)[None]
+    drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
+    probs = sorted_logits.softmax(-1)
+    before = probs.cumsum(-1) - probs                          # mass strictly before each token
+    drop |= before >= torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+    drop |= probs < torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None] * probs[:, :1]
+    drop[:, 0] = False                                         # the top token always stays
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(probs, seqs):
+    noise = torch.empty_like(probs).exponential_()
+    for i, s in enumerate(seqs):
+        if s.params.seed is not None:
+            if s.generator is None:
+                s.generator = torch.Generator(device=probs.device)
+                s.generator.manual_seed(s.params.seed + 7919 * s.index)
+            noise[i].exponential_(generator=s.generator)
+    return noise
+
+
+def suppress_stops(logits, seqs, eos_token_id):
+    """Before min_tokens are out, EOS and stop tokens cannot be drawn."""
+    for i, s in enumerate(seqs):
+        if s.num_output_tokens < s.params.min_tokens:
+            banned = list(s.params.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id=None) -> torch.Tensor:
+    """logits [R, V] (fp32) of the rows that sample -> token ids [R] (on the logits' device)."""
+    logits = suppress_stops(logits.clone(), seqs, eos_token_id)
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
+        return logits.argmax(-1)
+    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+    scaled = _filter_top_k_top_p_min_p(logits / temps[:, None], seqs)
+    probs = scaled.softmax(-1)
+    sampled = (probs / _exponential_noise(probs, seqs)).argmax(-1)
+    if any(greedy):
+        sampled = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), sampled)
+    return sampled
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int):
+    """Per row: the chosen token's logprob and rank, and the top `num_top` (ids, logprobs)."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    return chosen, ranks, top

@@ -1,0 +1,94 @@
+"""Continuous batching: each step is one mixed batch, running decodes first, then prefill chunks
+filling the token budget. When blocks run out, the newest sequences are preempted (recomputed)."""
+from collections import deque
+from dataclasses import dataclass
+
+from asynct.engine.block_manager import BlockManager
+from asynct.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]        # decodes (one token) first
+    num_tokens: list[int]       # tokens each sequence computes this step
+    num_decodes: int
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence):
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        picked: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._make_room(seq, n):
+                self.block_manager.allocate(seq, n)
+                picked.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            n = self._admit(self.waiting[0], budget)
+            if not n:
+                break
+            picked.append((self.running[-1], n))
+            budget -= n
+        picked.sort(key=lambda p: p[1] != 1)  # stable: one-token queries (decodes) first
+        return ScheduledBatch([s for s, _ in picked], [n for _, n in picked],
+                              sum(1 for _, n in picked if n == 1))
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        bm = self.block_manager
+        hits = bm.match_prefix(seq)
+        n = min(len(seq) - len(hits) * bm.block_size, budget)
+        if not bm.can_allocate(seq, n, hits):
+            return 0
+        self.waiting.popleft()
+        bm.record_prefix_query(seq, hits)
+        bm.allocate(seq, n, hits)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return n
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Preempts the newest running sequences until `seq` can grow; False if `seq` itself went."""
+        while not self.block_manager.can_allocate(seq, n):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def preempt(self, seq: Sequence):
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str):
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)

@@ -1,0 +1,73 @@
+"""A sequence: one completion of one request, with its tokens, cache blocks and outputs."""
+from enum import Enum, auto
+
+from asynct.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, block_size: int, arrival: int):
+        self.seq_id, self.request_id, self.index = seq_id, request_id, index
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.block_size = block_size
+        self.arrival = arrival
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []   # chained hashes of the full blocks computed so far
+        self.num_computed_tokens = 0      # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0        # of those, how many came from the prefix cache
+        self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+        self.text = ""
+        self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
+        self.generator = None             # torch.Generator for seeded sampling, made on first use
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    def append_token(self, token_id: int):
+        self.token_ids.append(token_id)
+
+    def reset_for_recompute(self):
+        """Preempted: drop the cache state; prompt and generated tokens are recomputed later."""
+        self.status = SequenceStatus.WAITING
+        self.block_table, self.block_hashes = [], []
+        self.num_computed_tokens = self.num_cached_tokens = 0

@@ -1,0 +1,80 @@
+"""`LLM`: offline batched generation in vLLM's shape."""
+import logging
+import time
+from dataclasses import fields
+
+from tqdm.auto import tqdm
+
+from asynct.engine.llm_engine import EngineArgs, LLMEngine
+from asynct.engine.outputs import CompletionOutput, RequestOutput
+from asynct.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("asynct")
+
+
+class LLM:
+    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., ...)"""
+
+    def __init__(self, model: str, **kwargs):
+        known = {f.name for f in fields(EngineArgs)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown LLM options {unknown}; known: {sorted(known - {'model'})}")
+        self.llm_engine = LLMEngine(EngineArgs(model=str(model), **kwargs))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        d = self.llm_engine.detokenizer
+        return d.tokenizer if d else None
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = prompts if isinstance(prompts, list) else [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        results: dict[str, RequestOutput] = {}
+        ids = []
+        for prompt, p in zip(prompts, params):
+            rid = str(self._next_id)
+            self._next_id += 1
+            ids.append(rid)
+            try:
+                self.llm_engine.add_request(rid, _prompt_input(prompt), p or SamplingParams())
+            except ValueError as e:
+                log.warning("request %s failed: %s", rid, e)
+                results[rid] = _error_output(rid, prompt, str(e))
+        self._run(results, len(prompts), use_tqdm)
+        return [results[r] for r in ids]
+
+    def _run(self, results, total, use_tqdm):
+        engine = self.llm_engine
+        bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, initial=len(results))
+        start, generated = time.perf_counter(), engine.stats["generation_tokens"]
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+            rate = (engine.stats["generation_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
+        bar.close()
+
+
+def _prompt_input(prompt):
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+    if isinstance(prompt, (list, tuple)):
+        return list(prompt)
+    raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+
+def _error_output(rid, prompt, message) -> RequestOutput:
+    ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
+    text = prompt if isinstance(prompt, str) else None
+    return RequestOutput(rid, text, list(ids), None,
+                         [CompletionOutput(0, "", [], None, None, "error", message)], True, error=message)

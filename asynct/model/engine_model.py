@@ -1,0 +1,106 @@
+"""The engine's AsyncT: the same function as the reference model, built from the fused ops, over a
+flat token batch. Per-step attention metadata comes from the context, so forward is
+(input_ids, positions) only."""
+import torch
+from torch import nn
+
+from asynct import ops
+from asynct.config import AsyncTConfig
+from asynct.engine.context import get_context
+
+
+class DyHTParams(nn.Module):
+    """Holds a DyHT's parameters; the fused ops apply them."""
+
+    def __init__(self, alpha_size: int, weight_size: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(alpha_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(weight_size), requires_grad=False)
+
+
+def make_norm(config: AsyncTConfig, name: str, dim: int) -> DyHTParams:
+    shapes = getattr(config, "dyht_shapes", None) or {}
+    return DyHTParams(shapes.get(f"{name}.alpha", 1), shapes.get(f"{name}.weight", dim))
+
+
+class Attention(nn.Module):
+    """AsyncI through the engine's attention backend; the cache is bound by the model runner."""
+
+    def __init__(self, config: AsyncTConfig, impl_cls):
+        super().__init__()
+        hq = config.num_attention_heads
+        self.sigma = nn.Parameter(torch.ones(hq), requires_grad=False)
+        self.impl = impl_cls(hq, config.head_dim, config.num_key_value_heads, config.scale, self.sigma,
+                             config.asynci_pool_size, config.asynci_relu_pre)
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q, k, v):
+        out = torch.empty_like(q)
+        self.impl.forward(q, k, v, self.kv_cache, get_context().attn_metadata, out)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: AsyncTConfig, i: int, impl_cls):
+        super().__init__()
+        p, c, d = f"model.layers.{i}", config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (config.num_attention_heads,
+                                                            config.num_key_value_heads, d)
+        self.qkv_proj = nn.Linear(c, (self.num_heads + 2 * self.num_kv_heads) * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, c, bias=False)
+        self.gate_up_proj = nn.Linear(c, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, c, bias=False)
+        self.q_norm = make_norm(config, f"{p}.self_attn.q_norm", d)
+        self.k_norm = make_norm(config, f"{p}.self_attn.k_norm", d)
+        self.post_attention_layernorm = make_norm(config, f"{p}.post_attention_layernorm", c)
+        self.pre_feedforward_layernorm = make_norm(config, f"{p}.pre_feedforward_layernorm", c)
+        self.attn = Attention(config, impl_cls)
+
+    def forward(self, positions, n, residual, next_norm, cos_sin):
+        """n = this layer's input norm of `residual`; returns (next residual, its next norm)."""
+        t, d = n.shape[0], self.head_dim
+        qkv = self.qkv_proj(n)
+        nq, nk = self.num_heads * d, self.num_kv_heads * d
+        q = qkv[:, :nq].view(t, self.num_heads, d)          # strided views: no copies
+        k = qkv[:, nq:nq + nk].view(t, self.num_kv_heads, d)
+        v = qkv[:, nq + nk:].view(t, self.num_kv_heads, d)
+        qn, kn = self.q_norm, self.k_norm
+        q, k = ops.qk_norm_rope(q, k, positions, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin)
+        o = self.o_proj(self.attn(q, k, v).view(t, -1))
+        post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
+        h, m = ops.dyht_add(o, residual, pre.alpha, pre.weight, post.alpha, post.weight)
+        mlp = self.down_proj(ops.reglu(self.gate_up_proj(m)))
+        return ops.dyht_add(mlp, h, next_norm.alpha, next_norm.weight)
+
+
+class AsyncTEngineModel(nn.Module):
+    # checkpoint tensor -> (parameter, shard index) for the fused projections
+    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config: AsyncTConfig, impl_cls):
+        super().__init__()
+        self.config = config
+        c = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, c)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, impl_cls) for i in range(config.num_hidden_layers))
+        self.input_norms = nn.ModuleList(make_norm(config, f"model.layers.{i}.input_layernorm", c)
+                                         for i in range(config.num_hidden_layers))
+        self.norm = make_norm(config, "model.norm", c)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(c, config.vocab_size, bias=False)
+        cs = ops.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.register_buffer("cos_sin_cache", cs, persistent=False)
+
+    def forward(self, input_ids, positions):
+        """Returns the final-normed hidden state of every token."""
+        x = self.embed_tokens(input_ids)
+        n = ops.dyht(x, self.input_norms[0].alpha, self.input_norms[0].weight)
+        residual = x
+        norms = list(self.input_norms[1:]) + [self.norm]
+        for layer, next_norm in zip(self.layers, norms):
+            residual, n = layer(positions, n, residual, next_norm, self.cos_sin_cache)
+        return n
+
+    def compute_logits(self, hidden):
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight)

@@ -1,0 +1,26 @@
+"""Fused ops: each has a plain-torch `*_ref`, Triton (and for decode, CUDA) kernels, and a
+dispatch function that runs the kernel on CUDA tensors and the reference elsewhere."""
+from asynct.ops.asynci_decode import asynci_decode, asynci_decode_triton
+from asynct.ops.asynci_prefill import asynci_prefill, asynci_prefill_triton
+from asynct.ops.dyht import dyht, dyht_add, dyht_add_ref, dyht_add_triton, dyht_ref, dyht_triton
+from asynct.ops.kv_cache import write_kv_cache, write_kv_cache_ref, write_kv_cache_triton
+from asynct.ops.paged_ref import asynci_decode_ref, asynci_prefill_ref
+from asynct.ops.reglu import reglu, reglu_ref, reglu_triton
+from asynct.ops.rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_triton, rope,
+                             rope_cos_sin_cache, rope_ref, rope_triton)
+
+__all__ = [
+    "asynci_decode", "asynci_decode_ref", "asynci_decode_triton",
+    "asynci_prefill", "asynci_prefill_ref", "asynci_prefill_triton",
+    "dyht", "dyht_add", "dyht_add_ref", "dyht_add_triton", "dyht_ref", "dyht_triton",
+    "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_triton",
+    "reglu", "reglu_ref", "reglu_triton",
+    "rope", "rope_cos_sin_cache", "rope_ref", "rope_triton",
+    "write_kv_cache", "write_kv_cache_ref", "write_kv_cache_triton",
+]
+
+
+def asynci_decode_cuda(*args, **kwargs):
+    """The CUDA decode kernel (builds the extension on first call)."""
+    from asynct.ops.cuda_ext import asynci_decode_cuda as fn
+    return fn(*args, **kwargs)

@@ -1,0 +1,182 @@
+"""Paged AsyncI decode: one query token per sequence, two-stage split-K (Triton), plus the
+dispatch between it and the CUDA kernel of cuda_ext.py.
+
+Stage 1: a program per (sequence, KV head, split) scores its key range for all query heads of
+the KV group at once (one K/V load serves them all), forms the causal pool from the previous
+tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
+`a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
+those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
+simply add."""
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references still work
+    triton = None
+
+    class tl:  # noqa: N801
+        constexpr = None
+
+from asynct.ops.paged_ref import asynci_decode_ref
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+BLOCK_N = 64
+
+
+@_jit
+def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, HKV, BS: tl.constexpr,
+                 D: tl.constexpr):
+    """Rows `keys` of one KV head from the paged cache [num_blocks, BS, HKV, D] -> [N, D]."""
+    blk = tl.load(bt_row_ptr + keys // BS, mask=mask, other=0)
+    row = (blk.to(tl.int64) * BS + keys % BS) * HKV + kv_head
+    d = tl.arange(0, D)
+    return tl.load(cache_ptr + row[:, None] * D + d[None, :], mask=mask[:, None], other=0.0)
+
+
+@_jit
+def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """a = clamp(s - sigma * mean(r[j-P+1..j]), 0, 1) over a [M, BLOCK_N] tile whose left
+    neighbour tile's r is `r_prev`. One index serves both: n-m for n >= m, else N+n-m."""
+    n = tl.arange(0, BLOCK_N)[None, :]
+    total = r
+    for m in tl.static_range(1, P):
+        idx = tl.broadcast_to((n - m + BLOCK_N) % BLOCK_N, r.shape)
+        cur = tl.gather(r, idx, axis=1)
+        prev = tl.gather(r_prev, idx, axis=1)
+        total += tl.where(n >= m, cur, prev)
+    lp = total / P
+    return tl.minimum(tl.maximum(s - sigma[:, None] * lp, 0.0), 1.0)
+
+
+@_jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
+                   sqb, sqh, sbt, sob, soh, sos, HKV, G,
+                   D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_keys = tl.load(seq_ptr + b)
+    # split ranges come from the device-side seq_len: no host sync, any length is right
+    per = tl.cdiv(tl.cdiv(n_keys, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, n_keys)
+
+    g = tl.arange(0, M)
+    gmask = g < G
+    head = kvh * G + g
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
+                mask=gmask[:, None], other=0.0)
+    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt
+    n = tl.arange(0, BLOCK_N)
+
+    # halo: r of the P-1 keys left of this split (zero before the sequence start)
+    keys = lo - BLOCK_N + n
+    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+
+    acc = tl.zeros([M, D], dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        keys = j0 + n
+        kmask = keys < hi
+        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+        a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
+        r_prev = r
+    dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@_jit
+def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, S_PAD: tl.constexpr, D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    nh = tl.num_programs(1)
+    s = tl.arange(0, S_PAD)[:, None]
+    d = tl.arange(0, D)[None, :]
+    part = tl.load(mid_ptr + ((b * nh + h) * S + s).to(tl.int64) * D + d, mask=s < S, other=0.0)
+    tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + tl.arange(0, D),
+             tl.sum(part, axis=0).to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
+    """Enough programs for ~3 waves of the SMs, each split at least two tiles long."""
+    want = triton.cdiv(3 * sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, triton.cdiv(max_seq_len, 2 * BLOCK_N), 64))
+
+
+def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [B, Hq, D] with unit last stride, got {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor")
+    b, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    if kv_cache.shape[4] != d or hq % hkv:
+        raise ValueError(f"q heads {hq} / head_dim {d} do not fit the cache {tuple(kv_cache.shape)}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    if block_table.dim() != 2 or block_table.shape[0] < b or block_table.dtype != torch.int32:
+        raise ValueError("block_table must be int32 [B, max_blocks]")
+    if seq_lens.shape[0] < b or seq_lens.dtype != torch.int32:
+        raise ValueError("seq_lens must be int32 [B]")
+    if sigma.shape != (hq,):
+        raise ValueError(f"sigma must be [{hq}]")
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
+
+
+def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
+                         out, max_seq_len=None, splits=None):
+    check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
+    b, hq, d = q.shape
+    _, _, bs, hkv, _ = kv_cache.shape
+    if b == 0:
+        return out
+    if splits is None:
+        hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
+        sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+        splits = num_splits(b, hkv, hint, sms)
+    g = hq // hkv
+    if splits == 1:
+        dst, strides = out, (out.stride(0), out.stride(1), 0)
+    else:
+        dst = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+        strides = (hq * splits * d, splits * d, d)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _decode_kernel[(b, hkv, splits)](
+        q, kv_cache[0], kv_cache[1], block_table, seq_lens, sigma.float().contiguous(), dst,
+        float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, hkv, g,
+        D=d, BS=bs, M=max(16, triton.next_power_of_2(g)), BLOCK_N=BLOCK_N, P=int(pool_size),
+        RELU=bool(relu_pre), PREC=prec, num_warps=4, num_stages=2)
+    if splits > 1:
+        _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits,
+                                    S_PAD=triton.next_power_of_2(splits), D=d, num_warps=4)
+    return out
+
+
+def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                  max_seq_len=None):
+    """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it."""
+    if not q.is_cuda:
+        return asynci_decode_ref(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size,
+                                 relu_pre, out)
+    from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
+    fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
+    return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+              max_seq_len=max_seq_len)

@@ -1,0 +1,123 @@
+"""Paged AsyncI prefill over variable-length query chunks (Triton).
+
+A program owns BLOCK_Q query tokens x the G query heads of one KV head (M = BLOCK_Q*G rows,
+so one K/V tile load serves the whole GQA group) and walks the key tiles left to right up to
+its last query's position: the tiles wholly above the causal diagonal are never visited. The
+pool's left halo comes from the previous tile's scores, still in registers; at key 0 it is
+zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
+hits, earlier chunks) are just keys left of the chunk."""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the reference still works
+    triton = None
+
+    class tl:  # noqa: N801
+        constexpr = None
+
+from asynct.ops.asynci_decode import load_kv_rows, pool_gate
+from asynct.ops.paged_ref import asynci_prefill_ref
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+@_jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
+                    sqt, sqh, sot, soh, sbt, HKV, G,
+                    D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                    RELU: tl.constexpr, PREC: tl.constexpr):
+    b = tl.program_id(0)
+    qt = tl.program_id(1)
+    kvh = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
+    q0 = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q0
+    n_keys = tl.load(seq_ptr + b)
+    ctx = n_keys - q_len  # keys before this chunk
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = qt * BLOCK_Q + rows // G_PAD
+    g = rows % G_PAD
+    rmask = (tok < q_len) & (g < G)
+    head = kvh * G + g
+    pos = ctx + tok
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + (q0 + tok).to(tl.int64)[:, None] * sqt + head[:, None] * sqh + d[None, :],
+                mask=rmask[:, None], other=0.0)
+    sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt
+    # this tile's last query sees keys up to ctx + its last token; empty tiles loop zero times
+    hi = tl.where(qt * BLOCK_Q < q_len, ctx + tl.minimum(qt * BLOCK_Q + BLOCK_Q, q_len), 0)
+
+    n = tl.arange(0, BLOCK_N)
+    r_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for j0 in range(0, hi, BLOCK_N):
+        keys = j0 + n
+        kmask = keys < hi
+        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        # keys past a query's position pool as zeros; only later keys read them, also masked
+        valid = kmask[None, :] & (keys[None, :] <= pos[:, None])
+        r = tl.where(valid, tl.maximum(s, 0.0) if RELU else s, 0.0)
+        a = tl.where(valid, pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
+        r_prev = r
+    dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + d[None, :]
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
+
+
+def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
+    if q.dim() != 3 or q.stride(-1) != 1:
+        raise ValueError(f"q must be [T, Hq, D] with unit last stride, got {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor")
+    t, hq, d = q.shape
+    if kv_cache.shape[4] != d or hq % kv_cache.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
+    b = seq_lens.shape[0]
+    if query_start_loc.shape != (b + 1,) or query_start_loc.dtype != torch.int32:
+        raise ValueError("query_start_loc must be int32 [B+1]")
+    if seq_lens.dtype != torch.int32 or block_table.dtype != torch.int32:
+        raise ValueError("seq_lens and block_table must be int32")
+    if block_table.dim() != 2 or block_table.shape[0] < b or sigma.shape != (hq,):
+        raise ValueError("block_table must be [B, max_blocks] and sigma [Hq]")
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
+
+
+def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
+                          pool_size, relu_pre, out, max_query_len, max_seq_len=None,
+                          block_m=128, block_n=64, num_warps=8, num_stages=2):
+    _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
+    hq, d = q.shape[1:]
+    _, _, bs, hkv, _ = kv_cache.shape
+    b = seq_lens.shape[0]
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    block_m = max(block_m, 16 * g_pad if g_pad <= 8 else g_pad)  # >= 16 query tokens a tile
+    if q.shape[0] == 0 or b == 0 or max_query_len <= 0:
+        return out
+    grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv)
+    _prefill_kernel[grid](
+        q, kv_cache[0], kv_cache[1], block_table, query_start_loc, seq_lens,
+        sigma.float().contiguous(), out, float(scale), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_table.stride(0), hkv, g, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
+        BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        num_stages=num_stages)
+    return out
+
+
+def asynci_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
+                   relu_pre, out, max_query_len, max_seq_len):
+    """Writes AsyncI of every query token of the chunks into `out` [T, Hq, D] and returns it."""
+    fn = asynci_prefill_triton if q.is_cuda and triton is not None else asynci_prefill_ref
+    return fn(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
+              relu_pre, out, max_query_len, max_seq_len)

@@ -1,0 +1,142 @@
+"""NeoX ("rotate_half") RoPE over the whole head, alone and fused after the q/k DyHT norm.
+
+The fused kernel reads q and k straight from their strided views of the QKV output, applies
+DyHT per head vector and rotates in fp32: one read and one write per element."""
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the references still work
+    triton = None
+
+    class tl:  # noqa: N801
+        constexpr = None
+
+_jit = triton.jit if triton is not None else (lambda fn: fn)
+
+
+def rope_cos_sin_cache(head_dim, max_positions, theta=10000.0, device=None):
+    """[max_positions, head_dim] fp32: cos in the first half, sin in the second."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    ang = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([ang.cos(), ang.sin()], dim=-1).float().to(device)
+
+
+def _rotate_f32(x, positions, cos_sin_cache):
+    half = x.shape[-1] // 2
+    cs = cos_sin_cache[positions].float()[:, None, :]
+    cos, sin = cs[..., :half], cs[..., half:]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rope_ref(x, positions, cos_sin_cache):
+    return _rotate_f32(x.float(), positions, cos_sin_cache).to(x.dtype).contiguous()
+
+
+def qk_norm_rope_ref(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache):
+    def one(x, a, w):
+        n = w.float() * (a.float() * x.float()).clamp(-1.0, 1.0)
+        return _rotate_f32(n, positions, cos_sin_cache).to(x.dtype).contiguous()
+    return one(q, q_alpha, q_weight), one(k, k_alpha, k_weight)
+
+
+@_jit
+def _norm_rope_heads(x_ptr, out_ptr, t, pos, cs_ptr, sx0, sx1, a_ptr, w_ptr, sa, sw, H,
+                     HALF: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, HALF)[None, :]
+    mask = h < H
+    src = x_ptr + t.to(tl.int64) * sx0 + h * sx1 + d
+    x1 = tl.load(src, mask=mask).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
+    if HAS_NORM:
+        x1 = tl.load(w_ptr + d * sw) * tl.minimum(tl.maximum(tl.load(a_ptr + d * sa) * x1, -1.0), 1.0)
+        x2 = tl.load(w_ptr + (d + HALF) * sw) * tl.minimum(
+            tl.maximum(tl.load(a_ptr + (d + HALF) * sa) * x2, -1.0), 1.0)
+    cs = cs_ptr + pos * (2 * HALF) + d
+    cos = tl.load(cs)
+    sin = tl.load(cs + HALF)
+    dst = out_ptr + (t.to(tl.int64) * H + h) * (2 * HALF) + d
+    ty = out_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
+
+
+@_jit
+def _qk_rope_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, cs_ptr, sq0, sq1, sk0, sk1,
+                    qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw, HQ, HK,
+                    HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
+                    HAS_NORM: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    if tl.program_id(1) == 0:
+        _norm_rope_heads(q_ptr, qo_ptr, t, pos, cs_ptr, sq0, sq1, qa_ptr, qw_ptr, sqa, sqw, HQ,
+                         HALF, HQ_PAD, HAS_NORM)
+    else:
+        _norm_rope_heads(k_ptr, ko_ptr, t, pos, cs_ptr, sk0, sk1, ka_ptr, kw_ptr, ska, skw, HK,
+                         HALF, HK_PAD, HAS_NORM)
+
+
+def _check(x, name):
+    if x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2:
+        raise ValueError(f"{name} must be [T, H, D] with unit last stride and even D, "
+                         f"got shape {tuple(x.shape)} strides {x.stride()}")
+    if x.shape[-1] & (x.shape[-1] - 1):
+        raise ValueError(f"{name}: head_dim must be a power of two, got {x.shape[-1]}")
+
+
+def _pstride(p, d, name):
+    if p.numel() not in (1, d):
+        raise ValueError(f"{name} must have 1 or {d} elements, got {tuple(p.shape)}")
+    return 0 if p.numel() == 1 else 1
+
+
+def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2):
+    _check(q, "q")
+    _check(k, "k")
+    t, hq, d = q.shape
+    if k.shape[0] != t or k.shape[2] != d or positions.shape != (t,):
+        raise ValueError("q, k and positions must agree on T and head_dim")
+    if cos_sin_cache.shape[-1] != d or cos_sin_cache.dtype != torch.float32:
+        raise ValueError("cos_sin_cache must be fp32 [max_positions, head_dim]")
+    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if t == 0:
+        return qo, ko
+    qa, qw, ka, kw = [p.float().contiguous() for p in params]
+    strides = [_pstride(p, d, n) for p, n in zip((qa, qw, ka, kw), ("q_alpha", "q_weight",
+                                                                     "k_alpha", "k_weight"))]
+    _qk_rope_kernel[(t, pairs)](q, qo, k, ko, positions, cos_sin_cache.contiguous(), q.stride(0),
+                            q.stride(1), k.stride(0), k.stride(1), qa, qw, ka, kw, *strides,
+                            hq, k.shape[1], HALF=d // 2, HQ_PAD=triton.next_power_of_2(hq),
+                            HK_PAD=triton.next_power_of_2(k.shape[1]), HAS_NORM=has_norm,
+                            num_warps=4)
+    return qo, ko
+
+
+def qk_norm_rope_triton(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache):
+    return _launch(q, k, positions, cos_sin_cache, (q_alpha, q_weight, k_alpha, k_weight), True)
+
+
+def rope_triton(x, positions, cos_sin_cache):
+    one = torch.ones(1, device=x.device)
+    # a grid of one column runs only the q half of the kernel; k is a placeholder
+    return _launch(x, x, positions, cos_sin_cache, (one, one, one, one), False, pairs=1)[0]
+
+
+def _use_triton(x):
+    return x.is_cuda and triton is not None
+
+
+def rope(x, positions, cos_sin_cache):
+    fn = rope_triton if _use_triton(x) else rope_ref
+    return fn(x, positions, cos_sin_cache)
+
+
+def qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache):
+    fn = qk_norm_rope_triton if _use_triton(q) else qk_norm_rope_ref
+    return fn(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)

@@ -1,0 +1,194 @@
+"""The engine against the reference model: greedy tokens, logprobs, preemption, chunking,
+prefix caching, sampling, stops, and every KV block freed."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asynct import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def random_prompts(n, lo, hi, seed, prefix=()):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [list(prefix) + torch.randint(0, 256, (k,), generator=g).tolist() for k in lens]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_ckpt):
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+
+
+def reference_greedy(model, prompts, max_new):
+    """Left-padded batched generate (equal to one-by-one, see test_reference)."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), 257)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                         pad_token_id=257, eos_token_id=None)
+    return out[:, width:].tolist()
+
+
+def assert_all_blocks_free(llm):
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.llm_engine.requests
+
+
+SETTINGS = {
+    "default": dict(),
+    "preempting": dict(num_kv_blocks=24, max_num_seqs=16),
+    "chunked": dict(max_num_batched_tokens=37),
+    "triton-backend": dict(attention_backend="triton", max_num_batched_tokens=64),
+    "block4": dict(block_size=4, num_kv_blocks=200),
+}
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_greedy_matches_reference(tiny_ckpt, reference, name):
+    prompts = random_prompts(32, 1, 200, seed=len(name)) + random_prompts(8, 1, 40, 9, prefix=range(70))
+    llm = LLM(tiny_ckpt, **SETTINGS[name])
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    # a second wave re-uses the blocks the first left in the prefix cache
+    outs += llm.generate([{"prompt_token_ids": p} for p in prompts[-8:]], GREEDY, use_tqdm=False)
+    prompts += prompts[-8:]
+    expected = reference_greedy(reference, prompts, 8)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert sum(o.num_cached_tokens for o in outs[-8:]) >= 8 * 64
+    engine = llm.llm_engine
+    if name == "preempting":
+        assert engine.scheduler.num_preemptions > 0
+    if name == "chunked":
+        assert engine.stats["steps"] > 40
+    assert engine.block_manager.num_hits > 0       # the shared 70-token prefix
+    assert_all_blocks_free(llm)
+
+
+def test_logprobs_match_reference(tiny_ckpt, reference):
+    llm = LLM(tiny_ckpt, max_num_batched_tokens=50)
+    prompts = random_prompts(4, 5, 90, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        full = p + o.outputs[0].token_ids
+        with torch.no_grad():
+            ref = reference(torch.tensor([full])).logits[0].log_softmax(-1)
+        assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
+        for pos in range(1, len(full)):
+            entry = o.prompt_logprobs[pos] if pos < len(p) else o.outputs[0].logprobs[pos - len(p)]
+            tok = full[pos]
+            assert abs(entry[tok].logprob - ref[pos - 1, tok].item()) < 1e-4
+            assert entry[tok].rank == int((ref[pos - 1] > ref[pos - 1, tok]).sum()) + 1
+            top = ref[pos - 1].topk(3 if pos >= len(p) else 2)
+            for lp, tid in zip(top.values.tolist(), top.indices.tolist()):
+                assert abs(entry[tid].logprob - lp) < 1e-4
+        cum = sum(e[t].logprob for e, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids))
+        assert abs(o.outputs[0].cumulative_logprob - cum) < 1e-6
+    assert_all_blocks_free(llm)
+
+
+def test_seeded_sampling(tiny_ckpt):
+    llm = LLM(tiny_ckpt)
+    prompt = {"prompt_token_ids": [1, 2, 3, 4, 5]}
+
+    def run(seed, others=0, **kw):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=20, ignore_eos=True, **kw)
+        batch = [prompt] + random_prompts(others, 3, 30, seed=others)
+        free = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+        return llm.generate(batch, [params] + [free] * others, use_tqdm=False)[0].outputs[0].token_ids
+
+    a = run(1)
+    assert a == run(1, others=5)             # same tokens in any batch
+    assert a != run(2)
+    assert run(1, top_k=3) == run(1, top_k=3, others=3)
+    assert run(3, top_p=0.5, min_p=0.1) == run(3, top_p=0.5, min_p=0.1)
+    assert_all_blocks_free(llm)
+
+
+def test_sampling_filters_restrict_support(tiny_ckpt, reference):
+    llm = LLM(tiny_ckpt)
+    p = [5, 6, 7]
+    with torch.no_grad():
+        top2 = set(reference(torch.tensor([p])).logits[0, -1].topk(2).indices.tolist())
+    outs = llm.generate([{"prompt_token_ids": p}] * 20, SamplingParams(temperature=5.0, top_k=2, max_tokens=1),
+                        use_tqdm=False)
+    assert {o.outputs[0].token_ids[0] for o in outs} <= top2
+
+
+def test_stop_strings_and_tokens(tiny_ckpt):
+    llm = LLM(tiny_ckpt)
+    base = llm.generate("The answer is", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    text = base.text
+    assert len(text) > 6, text
+    stop = text[3:5]
+    cut = llm.generate("The answer is", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == text[:text.find(stop)] and cut.finish_reason == "stop" and cut.stop_reason == stop
+    keep = llm.generate("The answer is", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=stop,
+                                                        include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert keep.outputs[0].text == text[:text.find(stop) + len(stop)]
+    tok = base.token_ids[4]
+    by_tok = llm.generate("The answer is", SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tok]),
+                          use_tqdm=False)[0].outputs[0]
+    assert by_tok.token_ids == base.token_ids[:base.token_ids.index(tok) + 1] and by_tok.stop_reason == tok
+    assert_all_blocks_free(llm)
+
+
+def test_bad_requests_fail_alone(tiny_ckpt):
+    llm = LLM(tiny_ckpt, max_model_len=64)
+    outs = llm.generate([{"prompt_token_ids": [1] * 100}, {"prompt_token_ids": [1, 2, 3]},
+                         {"prompt_token_ids": [999]}, {"prompt_token_ids": []}],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert "max_model_len=64" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
+    assert "vocabulary" in outs[2].error and "empty" in outs[3].error
+    assert_all_blocks_free(llm)
+
+
+def test_generation_stops_at_max_model_len(tiny_ckpt):
+    llm = LLM(tiny_ckpt, max_model_len=20)
+    out = llm.generate({"prompt_token_ids": [1] * 15}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
+                                 dict(min_p=2), dict(n=0), dict(logprobs=-1), dict(stop=[""]),
+                                 dict(min_tokens=5, max_tokens=2), dict(seed="x")])
+def test_invalid_sampling_params(bad):
+    with pytest.raises(ValueError, match="invalid SamplingParams"):
+        SamplingParams(**bad)
+
+
+def test_abort_frees_blocks_and_n_samples(tiny_ckpt):
+    llm = LLM(tiny_ckpt)
+    engine = llm.llm_engine
+    engine.add_request("a", [1, 2, 3] * 20, SamplingParams(max_tokens=50, ignore_eos=True, n=3, seed=0))
+    engine.add_request("b", [4, 5] * 20, SamplingParams(max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("a")
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[-1].request_id == "b" and outs[-1].finished
+    assert_all_blocks_free(llm)
+    many = llm.generate({"prompt_token_ids": [7, 8, 9]}, SamplingParams(n=3, max_tokens=6, seed=4, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert [o.index for o in many.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in many.outputs}) > 1
+
+
+def test_text_prompt_needs_tokenizer(tmp_path):
+    from asynct.model.checkpoint import make_checkpoint
+    path = make_checkpoint("tiny", tmp_path, tokenizer=False)
+    llm = LLM(path)
+    out = llm.generate(["hello", {"prompt_token_ids": [1, 2]}], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert "no tokenizer" in out[0].error
+    assert len(out[1].outputs[0].token_ids) == 3 and out[1].outputs[0].text == ""

@@ -1,0 +1,201 @@
+"""Paged AsyncI kernels (Triton under TRITON_INTERPRET=1 on CPU; Triton and CUDA on a GPU)
+against the paged references, and the references against the dense one and a float64 loop."""
+import pytest
+import torch
+
+from asynct.ops import asynci_decode_triton, asynci_prefill_triton
+from asynct.ops.asynci import asynci_attention
+from asynct.ops.paged_ref import asynci_decode_ref, asynci_prefill_ref, gather_kv
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"  # small-shape kernel tests: interpreted on CPU, native on a GPU
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalars():
+    """Triton 3.6's interpreter turns a scalar used as a loop bound into int() of a 1-element
+    array, which NumPy >= 2.4 refuses; take .item() instead."""
+    try:
+        import triton.runtime.interpreter as interp
+    except ImportError:
+        yield
+        return
+    orig = interp._patch_lang_tensor
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interp._patch_lang_tensor = patched
+    yield
+    interp._patch_lang_tensor = orig
+
+
+def make_cache(lens, hkv, d, bs, dtype, device, gen):
+    """A paged cache holding len keys per sequence in shuffled blocks; unused slots are NaN so
+    that a kernel reading past a sequence shows up."""
+    need = [(n + bs - 1) // bs for n in lens]
+    nblk = 2 * sum(need) + 1
+    cache = torch.randn(2, nblk, bs, hkv, d, generator=gen).to(dtype)
+    perm = torch.randperm(nblk, generator=gen)
+    width = max(max(need), 1)
+    table = torch.zeros(len(lens), width, dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at:at + n].int()
+        for j in range(n * bs):  # poison the slack after the last key
+            if j >= lens[b]:
+                cache[:, table[b, j // bs], j % bs] = float("nan")
+        at += n
+    return cache.to(device), table.to(device)
+
+
+def loop_attention_f64(q, k, v, sigma, scale, pool, relu, pos):
+    """One query q [Hq, D] at position pos over k/v [Hkv, n, D], straight from MODEL.md."""
+    hq, hkv = q.shape[0], k.shape[0]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for h in range(hq):
+        kk, vv = k[h // (hq // hkv)].double(), v[h // (hq // hkv)].double()
+        s = scale * (kk[:pos + 1] @ q[h].double())
+        r = s.clamp_min(0) if relu else s
+        for j in range(pos + 1):
+            lp = sum(float(r[j - m]) for m in range(pool) if j - m >= 0) / pool
+            a = min(max(float(s[j]) - float(sigma[h]) * lp, 0.0), 1.0)
+            out[h] += a * vv[j]
+    return out
+
+
+def rel_err(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def decode_case(fn, b_lens, hq, hkv, d, bs, pool, relu, dtype=torch.float32, device="cpu",
+                seed=0, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    cache, table = make_cache(b_lens, hkv, d, bs, dtype, device, gen)
+    qbuf = torch.randn(len(b_lens), hq + 2, d, generator=gen).to(dtype).to(device)
+    q = qbuf[:, 1:hq + 1]  # a strided view, as the engine passes
+    sigma = (torch.randn(hq, generator=gen) * 1.5).to(device)  # negative ones too
+    seq = torch.tensor(b_lens, dtype=torch.int32, device=device)
+    scale = 1.0 / d ** 0.5
+    out = torch.full((len(b_lens), hq, d), float("nan"), dtype=dtype, device=device)
+    fn(q, cache, table, seq, sigma, scale, pool, relu, out, **kw)
+    ref = asynci_decode_ref(q, cache, table, seq, sigma, scale, pool, relu,
+                            torch.empty(out.shape, dtype=torch.float32, device=device))
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return rel_err(out, ref)
+
+
+def prefill_case(fn, q_lens, ctx, hq, hkv, d, bs, pool, relu, dtype=torch.float32, device="cpu",
+                 seed=0, **kw):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [a + c for a, c in zip(q_lens, ctx)]
+    cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen)
+    t = sum(q_lens)
+    qbuf = torch.randn(t, hq + hkv, d, generator=gen).to(dtype).to(device)
+    q = qbuf[:, :hq]
+    sigma = (torch.randn(hq, generator=gen) * 1.5).to(device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                       device=device)
+    scale = 1.0 / d ** 0.5
+    out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+    fn(q, cache, table, qsl, seq, sigma, scale, pool, relu, out, max(q_lens), max(lens), **kw)
+    ref = asynci_prefill_ref(q, cache, table, qsl, seq, sigma, scale, pool, relu,
+                             torch.empty(out.shape, dtype=torch.float32, device=device))
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return rel_err(out, ref)
+
+
+# ---- the references ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pool,relu", [(1, True), (3, True), (4, False), (5, True)])
+def test_paged_refs_match_float64_loop(pool, relu):
+    gen = torch.Generator().manual_seed(pool)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    lens, q_lens = [1, 7, 13], [1, 3, 13]
+    cache, table = make_cache(lens, hkv, d, bs, torch.float32, "cpu", gen)
+    sigma = torch.randn(hq, generator=gen) * 2
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    qsl = torch.tensor([0, 1, 4, 17], dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    out = asynci_prefill_ref(q, cache, table, qsl, seq, sigma, 0.4, pool, relu, torch.empty_like(q))
+    for b, n in enumerate(lens):
+        k, v = gather_kv(cache, table[b], n)
+        for i in range(q_lens[b]):
+            t = int(qsl[b]) + i
+            want = loop_attention_f64(q[t], k, v, sigma, 0.4, pool, relu, n - q_lens[b] + i)
+            assert rel_err(out[t], want) < 1e-5
+    last = torch.stack([q[int(qsl[b + 1]) - 1] for b in range(3)])
+    dec = asynci_decode_ref(last, cache, table, seq, sigma, 0.4, pool, relu, torch.empty_like(last))
+    assert rel_err(dec, torch.stack([out[int(qsl[b + 1]) - 1] for b in range(3)])) < 1e-6
+
+
+def test_prefill_ref_matches_dense_reference():
+    gen = torch.Generator().manual_seed(7)
+    hq, hkv, d, n = 4, 1, 16, 11
+    cache, table = make_cache([n], hkv, d, 4, torch.float32, "cpu", gen)
+    q = torch.randn(n, hq, d, generator=gen)
+    sigma = torch.randn(hq, generator=gen)
+    qsl, seq = torch.tensor([0, n], dtype=torch.int32), torch.tensor([n], dtype=torch.int32)
+    out = asynci_prefill_ref(q, cache, table, qsl, seq, sigma, 0.3, 3, True, torch.empty_like(q))
+    k, v = gather_kv(cache, table[0], n)
+    dense = asynci_attention(q.transpose(0, 1)[None], k[None], v[None], sigma, 0.3, 3, True)
+    assert rel_err(out, dense[0].transpose(0, 1)) < 1e-6
+
+
+# ---- Triton kernels under the interpreter, small shapes -------------------------------------
+
+@pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,lens,splits", [
+    (2, 2, 16, 4, 3, True, [1, 5, 16, 37], None),       # MHA, seq len 1, non-multiples
+    (4, 2, 32, 16, 4, False, [70, 1, 33], 3),          # GQA 2, split-K with halos
+    (4, 1, 16, 4, 5, True, [130, 64], 4),              # GQA 4, halo crossing blocks
+    (4, 4, 16, 16, 1, False, [9, 200], 2),             # pool 1
+    (8, 2, 16, 4, 2, True, [1, 2, 3], 8),              # more splits than keys
+])
+def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
+    err = decode_case(asynci_decode_triton, lens, hq, hkv, d, bs, pool, relu, device=DEV,
+                      splits=splits)
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,block_m", [
+    (2, 2, 16, 4, 3, True, [5, 1, 20], [0, 9, 13], 16),     # chunks with cached prefixes
+    (4, 2, 32, 16, 4, False, [40, 3], [0, 50], 32),
+    (4, 1, 16, 4, 5, True, [17, 1], [70, 0], 64),           # GQA 4, one-token sequence
+    (4, 4, 16, 16, 1, True, [33], [0], 16),
+])
+def test_prefill_triton_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, block_m):
+    err = prefill_case(asynci_prefill_triton, q_lens, ctx, hq, hkv, d, bs, pool, relu,
+                       device=DEV, block_m=block_m, block_n=16)
+    assert err < 1e-5
+
+
+# ---- on a GPU: realistic shapes, bf16 ------------------------------------------------------
+
+def _gpu_decode_fns():
+    from asynct.ops import asynci_decode
+    from asynct.ops.cuda_ext import asynci_decode_cuda, load_extension
+    fns = [asynci_decode_triton, asynci_decode]
+    return fns + ([asynci_decode_cuda] if load_extension() is not None else [])
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 128, 16), (8, 8, 64, 32), (16, 4, 128, 32)])
+@pytest.mark.parametrize("pool,relu", [(3, True), (4, False)])
+def test_decode_gpu(hq, hkv, d, bs, pool, relu):
+    lens = [1, 15, 17, 1000, 4097, 8191]
+    for fn in _gpu_decode_fns():
+        err = decode_case(fn, lens, hq, hkv, d, bs, pool, relu, torch.bfloat16, "cuda")
+        assert err < 1e-2, fn.__name__
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 128, 16), (8, 8, 64, 32), (16, 4, 128, 32)])
+@pytest.mark.parametrize("pool,relu", [(3, True), (4, False)])
+def test_prefill_gpu(hq, hkv, d, bs, pool, relu):
+    err = prefill_case(asynci_prefill_triton, [300, 1, 77, 1024], [0, 500, 1000, 31], hq, hkv, d,
+                       bs, pool, relu, torch.bfloat16, "cuda")
+    assert err < 1e-2

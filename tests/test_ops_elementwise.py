@@ -1,0 +1,196 @@
+"""DyHT, DyHT+residual, ReGLU, RoPE, q/k norm+RoPE and the KV-cache write: Triton kernels
+(interpreted on CPU) against plain-torch references, references against MODEL.md by hand."""
+import math
+
+import pytest
+import torch
+
+from asynct.ops import (dyht, dyht_add, dyht_add_ref, dyht_add_triton, dyht_ref, dyht_triton,
+                        qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_triton, reglu, reglu_ref,
+                        reglu_triton, rope, rope_cos_sin_cache, rope_ref, rope_triton,
+                        write_kv_cache, write_kv_cache_ref, write_kv_cache_triton)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def on_dev(fn, *args):
+    """Run a kernel on DEV (the interpreter on CPU) and bring tensors back to the CPU."""
+    mv = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(*mv)
+    for a, m in zip(args, mv):  # in-place kernels (the cache write) update the CPU copy too
+        if isinstance(a, torch.Tensor) and m is not a:
+            a.copy_(m)
+    if isinstance(out, tuple):
+        return tuple(o.cpu() for o in out)
+    return out.cpu() if isinstance(out, torch.Tensor) else out
+
+
+def close(x, ref, tol):
+    assert x.dtype == ref.dtype and x.shape == ref.shape
+    assert not x.isnan().any()
+    torch.testing.assert_close(x.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def params(c, per_channel, gen, dtype=torch.float32):
+    n = c if per_channel else 1
+    return (torch.rand(n, generator=gen) * 2 + 0.1).to(dtype), torch.randn(n, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_dyht_strided_3d(dtype, per_channel):
+    gen = torch.Generator().manual_seed(0)
+    t, hq, hkv, d = 5, 4, 2, 32
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)  # row stride != hkv*d
+    alpha, weight = params(d, per_channel, gen)
+    out = dyht_triton(k.to(DEV), alpha.to(DEV), weight.to(DEV)).cpu()
+    assert out.is_contiguous()
+    close(out, dyht_ref(k, alpha, weight), 1e-2 if dtype == torch.bfloat16 else 1e-6)
+    by_hand = weight * torch.clamp(alpha * k.float(), -1, 1)
+    close(dyht_ref(k, alpha, weight).float(), by_hand, 1e-2)
+
+
+@pytest.mark.parametrize("shape", [(7, 48), (3, 5, 16), (2, 3, 4, 16), (33,)])
+def test_dyht_shapes(shape):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(*shape, generator=gen) * 3
+    alpha, weight = params(shape[-1], True, gen)
+    close(dyht_triton(x.to(DEV), alpha.to(DEV), weight.to(DEV)).cpu(), dyht_ref(x, alpha, weight),
+          1e-6)
+    close(dyht(x, alpha, weight), dyht_ref(x, alpha, weight), 0)  # CPU dispatch = reference
+
+
+def test_dyht_rejects_bad_params():
+    with pytest.raises(ValueError):
+        dyht_triton(torch.randn(4, 8, device=DEV), torch.ones(3, device=DEV),
+                    torch.ones(8, device=DEV))
+
+
+@pytest.mark.parametrize("has_res,has_post", [(True, True), (True, False), (False, True),
+                                              (False, False)])
+def test_dyht_add(has_res, has_post):
+    gen = torch.Generator().manual_seed(2)
+    t, c = 9, 40
+    y, res = torch.randn(t, c, generator=gen) * 2, torch.randn(t, c, generator=gen)
+    a, w = params(c, True, gen)
+    pa, pw = params(c, False, gen) if has_post else (None, None)
+    r = res if has_res else None
+    hid, normed = on_dev(dyht_add_triton, y, r, a, w, pa, pw)
+    want_h, want_n = dyht_add_ref(y, r, a, w, pa, pw)
+    close(hid, want_h, 1e-6)
+    close(normed, want_n, 1e-6)
+    h = (dyht_ref(y, pa, pw) if has_post else y) + (res if has_res else 0)
+    close(want_h, h, 1e-6)
+    close(want_n, dyht_ref(h, a, w), 1e-6)
+
+
+def test_dyht_add_bf16():
+    gen = torch.Generator().manual_seed(3)
+    y = torch.randn(6, 64, generator=gen).bfloat16()
+    res = torch.randn(6, 64, generator=gen).bfloat16()
+    a, w = params(64, True, gen, torch.bfloat16)
+    for got, want in zip(on_dev(dyht_add_triton, y, res, a, w, a, w), dyht_add_ref(y, res, a, w, a, w)):
+        close(got, want, 1e-2)
+
+
+@pytest.mark.parametrize("t,i", [(5, 24), (1, 7), (3, 1100)])
+def test_reglu(t, i):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(t, 2 * i, generator=gen)
+    close(on_dev(reglu_triton, x), reglu_ref(x), 1e-6)
+    close(reglu_ref(x), torch.relu(x[:, :i]) * x[:, i:], 1e-6)
+    close(reglu(x), reglu_ref(x), 0)
+
+
+def test_rope_cache_matches_formula():
+    cache = rope_cos_sin_cache(8, 20, 500.0)
+    p, i = 13, 3
+    ang = p * 500.0 ** (-2 * i / 8)
+    assert cache.shape == (20, 8) and cache.dtype == torch.float32
+    assert math.isclose(cache[p, i], math.cos(ang), rel_tol=1e-6)
+    assert math.isclose(cache[p, 4 + i], math.sin(ang), rel_tol=1e-6)
+
+
+def test_rope_ref_is_rotate_half():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 2, 16, generator=gen)
+    pos = torch.tensor([0, 3, 7, 1])
+    cache = rope_cos_sin_cache(16, 10, 10000.0)
+    cos = torch.cat([cache[pos, :8]] * 2, -1)[:, None]
+    sin = torch.cat([cache[pos, 8:]] * 2, -1)[:, None]
+    rot = torch.cat([-x[..., 8:], x[..., :8]], -1)
+    close(rope_ref(x, pos, cache), x * cos + rot * sin, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_qk_norm_rope_strided(dtype, per_channel):
+    gen = torch.Generator().manual_seed(6)
+    t, hq, hkv, d = 6, 4, 2, 32
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    pos = torch.randint(0, 50, (t,), generator=gen)
+    cache = rope_cos_sin_cache(d, 64, 10000.0)
+    qa, qw = params(d, per_channel, gen)
+    ka, kw = params(d, not per_channel, gen)
+    got = on_dev(qk_norm_rope_triton, q, k, pos, qa, qw, ka, kw, cache)
+    want = qk_norm_rope_ref(q, k, pos, qa, qw, ka, kw, cache)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    for g, w in zip(got, want):
+        assert g.is_contiguous()
+        close(g, w, tol)
+    unfused = rope_ref(dyht_ref(q.float(), qa, qw), pos, cache).to(dtype)
+    close(want[0], unfused, tol)
+    close(on_dev(rope_triton, q, pos, cache), rope_ref(q, pos, cache), tol)
+    close(qk_norm_rope(q, k, pos, qa, qw, ka, kw, cache)[1], want[1], 0)
+    close(rope(k, pos, cache), rope_ref(k, pos, cache), 0)
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+def test_write_kv_cache(bs):
+    gen = torch.Generator().manual_seed(7)
+    t, hkv, d, nblk = 10, 2, 16, 6
+    kv = torch.randn(t, 3 * hkv, d, generator=gen)
+    k, v = kv[:, hkv:2 * hkv], kv[:, 2 * hkv:]  # strided views of a fused QKV
+    slots = torch.randperm(nblk * bs, generator=gen)[:t]
+    slots[3] = -1  # CUDA-graph padding: skipped
+    c1 = torch.randn(2, nblk, bs, hkv, d, generator=gen)
+    c0, c2 = c1.clone(), c1.clone()
+    on_dev(write_kv_cache_triton, k, v, c1, slots)
+    write_kv_cache_ref(k, v, c2, slots)
+    assert torch.equal(c1, c2)
+    flat, flat0 = c1.view(2, -1, hkv, d), c0.view(2, -1, hkv, d)
+    assert torch.equal(flat[0, slots[0]], k[0]) and torch.equal(flat[1, slots[9]], v[9])
+    untouched = torch.ones(nblk * bs, dtype=torch.bool)
+    untouched[slots[slots >= 0]] = False
+    assert torch.equal(flat[:, untouched], flat0[:, untouched])
+    c3 = c0.clone()
+    write_kv_cache(k, v, c3, slots)
+    assert torch.equal(c3, c1)
+
+
+# ---- on a GPU: realistic shapes ------------------------------------------------------------
+
+@gpu
+def test_elementwise_gpu():
+    gen = torch.Generator().manual_seed(8)
+    t, hq, hkv, d, c = 4097, 8, 4, 128, 1024
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).bfloat16().cuda()
+    q, k = qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    a, w = [p.cuda() for p in params(d, True, gen)]
+    close(dyht(k, a, w), dyht_ref(k, a, w), 1e-2)
+    pos = torch.randint(0, 8192, (t,), generator=gen).cuda()
+    cache = rope_cos_sin_cache(d, 8192, 1e6, "cuda")
+    for g, r in zip(qk_norm_rope(q, k, pos, a, w, a, w, cache),
+                    qk_norm_rope_ref(q, k, pos, a, w, a, w, cache)):
+        close(g, r, 2e-2)
+    y = torch.randn(t, c, generator=gen).bfloat16().cuda()
+    ca, cw = [p.cuda() for p in params(c, False, gen)]
+    for g, r in zip(dyht_add(y, y, ca, cw, ca, cw), dyht_add_ref(y, y, ca, cw, ca, cw)):
+        close(g, r, 2e-2)
+    gu = torch.randn(t, 6144, generator=gen).bfloat16().cuda()
+    close(reglu(gu), reglu_ref(gu), 1e-2)
