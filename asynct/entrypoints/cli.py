@@ -5,7 +5,7 @@ import sys
 import time
 
 
-def _engine_args(p: argparse.ArgumentParser):
+def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
     g.add_argument("--dtype", default="auto")
     g.add_argument("--device", default=None)
@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.add_argument("--json", action="store_true")
-    _engine_args(g)
+    add_engine_args(g)
     g.set_defaults(fn=cmd_generate)
     d = sub.add_parser("demo", help="set-up check: generate with a shipped or freshly made model")
     d.add_argument("--model", default=None)

@@ -59,7 +59,7 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping):
         return
     _write_kv_kernel[(t,)](k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
                            v.stride(1), kv_cache[0].numel(), h, D=d,
-                           H_PAD=triton.next_power_of_2(h), num_warps=4)
+                           H_PAD=triton.next_power_of_2(h), num_warps=2)
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping):
