@@ -79,6 +79,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "decode_steps": 0,
                       "decode_time": 0.0}
+        self.step_log: list | None = None   # benchmarks set a list: (num_decodes, kv_tokens, seconds)
 
     def _num_kv_blocks(self) -> int:
         a = self.args
@@ -170,6 +171,8 @@ class LLMEngine:
         if batch.num_decodes == len(batch.seqs):
             self.stats["decode_steps"] += 1
             self.stats["decode_time"] += seconds
+            if self.step_log is not None:
+                self.step_log.append((batch.num_decodes, sum(len(s) for s in batch.seqs), seconds))
 
     def _append(self, seq: Sequence, token: int, logprob):
         seq.append_token(token)

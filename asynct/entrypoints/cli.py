@@ -91,7 +91,8 @@ def add_optional(sub, name, module):
         mod = __import__(module, fromlist=["add_parser"])
     except ImportError:
         return
-    mod.add_parser(sub)
+    if hasattr(mod, "add_parser"):
+        mod.add_parser(sub)
 
 
 def main(argv=None):

@@ -1,0 +1,213 @@
+"""`asynct bench`: end-to-end workloads, the roofline of a decode step, and HF eager as the peer.
+
+Every run measures the device's copy bandwidth first, so the roofline ratio is from one run."""
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from asynct.engine.sampling_params import SamplingParams
+
+WORKLOADS = ("throughput", "gsm8k", "latency")
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes read + written per second by a large device copy (median of 10)."""
+    n = (1 << 30) if device.type == "cuda" else (1 << 26)
+    src = torch.randn(n // 4, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        t0 = _now(device)
+        dst.copy_(src)
+        times.append(_now(device) - t0)
+    return 2 * n / sorted(times[2:])[len(times[2:]) // 2]
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def workload(name: str, vocab: int, scale: float, seed: int = 0):
+    """(prompt token ids, SamplingParams) per request, as the issue defines each workload."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
+    s = lambda x: max(1, int(x * scale))  # noqa: E731
+    if name == "throughput":   # nano-vllm's: 256 seqs, input and output uniform in [100, 1024]
+        return [(tok(rng.randint(s(100), s(1024))),
+                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=rng.randint(s(100), s(1024))))
+                for _ in range(s(256))]
+    if name == "gsm8k":        # one shared ~700-token 5-shot prefix, a 50-150 token question, <= 256 new
+        prefix = tok(s(700))
+        return [(prefix + tok(rng.randint(s(50), s(150))),
+                 SamplingParams(temperature=0, ignore_eos=True, max_tokens=s(256))) for _ in range(s(1319))]
+    if name == "latency":
+        return [(tok(s(128)), SamplingParams(temperature=0, ignore_eos=True, max_tokens=s(512)))]
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
+
+
+def weight_bytes(model) -> int:
+    """Bytes one step reads: every weight once (the token embedding only as a tied head)."""
+    total = sum(p.numel() * p.element_size() for n, p in model.named_parameters())
+    if model.lm_head is not None:
+        total -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()
+    return total
+
+
+def run_engine(llm, requests) -> dict:
+    engine = llm.llm_engine
+    engine.step_log = []
+    before = dict(engine.stats)
+    t0 = _now(engine.device)
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [sp for _, sp in requests],
+                        use_tqdm=False)
+    wall = _now(engine.device) - t0
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    prefill = engine.stats["prompt_tokens"] - before["prompt_tokens"]
+    log, engine.step_log = engine.step_log, None
+    return {"wall_s": wall, "requests": len(requests), "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / wall, "prefill_tokens": prefill, "prefill_tok_s": prefill / wall,
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs), "step_log": log}
+
+
+def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
+    """Mean decode-step time (at `batch` running sequences, or all decode steps) against
+    (weights + KV actually read) / copy bandwidth."""
+    eng = llm.llm_engine
+    steps = [s for s in result.pop("step_log") if batch is None or s[0] == batch]
+    if not steps:
+        return {}
+    kv_per_token = eng.runner.block_bytes // eng.args.block_size
+    wb = weight_bytes(eng.runner.model)
+    mean = sum(t for _, _, t in steps) / len(steps)
+    roof = sum(wb + kv * kv_per_token for _, kv, _ in steps) / len(steps) / bandwidth
+    return {"decode_steps": len(steps), "decode_batch": batch or round(sum(b for b, _, _ in steps) / len(steps)),
+            "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
+
+
+def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:
+    """The reference model's left-padded batched generate at the largest batch that fits."""
+    from asynct.model.reference import AsyncTForCausalLM
+    model = AsyncTForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    sub = requests[:max_requests]
+    batch = _largest_batch(model, sub, device)
+    t0, out_tokens = _now(device), 0
+    for i in range(0, len(sub), batch):
+        out_tokens += _hf_generate(model, sub[i:i + batch], device)
+    wall = _now(device) - t0
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"wall_s": wall, "requests": len(sub), "batch": batch, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / wall}
+
+
+def _hf_generate(model, reqs, device) -> int:
+    width = max(len(p) for p, _ in reqs)
+    new = max(sp.max_tokens for _, sp in reqs)
+    ids = torch.zeros(len(reqs), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(reqs):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    with torch.inference_mode():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return (out.shape[1] - width) * len(reqs)
+
+
+def _largest_batch(model, reqs, device) -> int:
+    """lm-eval's --batch_size auto: the largest power of two whose longest case runs."""
+    if device.type != "cuda":
+        return min(len(reqs), 64)
+    longest = max(reqs, key=lambda r: len(r[0]) + r[1].max_tokens)
+    b = 1 << (len(reqs) - 1).bit_length()
+    while b > 1:
+        try:
+            ids = torch.zeros(b, len(longest[0]) + longest[1].max_tokens, dtype=torch.long, device=device)
+            with torch.inference_mode():
+                model(ids)
+            return b
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            b //= 2
+    return 1
+
+
+def print_table(rows):
+    cols = ["workload", "wall_s", "requests", "output_tok_s", "prefill_tok_s", "decode_batch", "step_ms",
+            "roofline_ms", "step_over_roofline", "hf_output_tok_s", "speedup_vs_hf"]
+    print(" | ".join(cols))
+    for r in rows:
+        print(" | ".join(_fmt(r.get(c, "")) for c in cols))
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = [r["workload"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(rows))
+    ax.bar([x - 0.2 for x in xs], [r["output_tok_s"] for r in rows], 0.4, label="asynct")
+    ax.bar([x + 0.2 for x in xs], [r.get("hf_output_tok_s", 0) for r in rows], 0.4, label="HF eager")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("output tokens/s")
+    ax.set_yscale("log")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_parser(sub):
+    from asynct.entrypoints.cli import add_engine_args
+    p = sub.add_parser("bench", help="end-to-end benchmark against the roofline and HF eager")
+    p.add_argument("--model", default=None, help="checkpoint dir (default: make --preset)")
+    p.add_argument("--preset", default=None, help="bench-0.6b on CUDA, tiny elsewhere")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
+    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--hf-requests", type=int, default=64, help="subset size for the HF run")
+    p.add_argument("--plot", default=None)
+    p.add_argument("--json-out", default=None)
+    add_engine_args(p)
+    p.set_defaults(fn=cmd_bench)
+
+
+def cmd_bench(a):
+    from asynct import LLM
+    from asynct.entrypoints.cli import engine_kwargs
+    from asynct.model.checkpoint import make_checkpoint
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = a.model or make_checkpoint(a.preset or ("bench-0.6b" if device.type == "cuda" else "tiny"),
+                                       Path(tempfile.mkdtemp()) / "bench", tokenizer=False)
+    bw = copy_bandwidth(device)
+    print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    llm = LLM(str(model), **engine_kwargs(a))
+    rows = []
+    for name in a.workloads.split(","):
+        reqs = workload(name, llm.llm_engine.config.vocab_size, a.scale)
+        run_engine(llm, reqs[: min(len(reqs), 8)])                      # warm-up, same shapes
+        res = run_engine(llm, reqs)
+        batch = min(len(reqs), a.max_num_seqs) if name == "throughput" else None
+        roof = decode_roofline(res, llm, bw, batch)
+        row = {"workload": name, **res, **roof}
+        if a.compare == "hf":
+            hf = run_hf(model, reqs, device, llm.llm_engine.dtype, a.hf_requests)
+            row.update(hf_output_tok_s=hf["output_tok_s"], hf_batch=hf["batch"],
+                       speedup_vs_hf=row["output_tok_s"] / hf["output_tok_s"])
+        rows.append(row)
+        print(json.dumps(row))
+    if a.plot:
+        plot(rows, a.plot)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"copy_bandwidth": bw, "rows": rows}, indent=1))
+    print_table(rows)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
+# Usage (device tool): bash benchmarks/run_gpu.sh [stages...]   stages: bench profile ablation serve eval
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+M=/tmp/bench-0.6b
+[ -f $M/config.json ] || python3 -m asynct.entrypoints.cli make-checkpoint $M --preset bench-0.6b
+stages=${*:-bench profile ablation serve eval}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+for s in $stages; do
+  echo "=== $s ($(date +%T))"
+  case $s in
+    bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --hf-requests 64 \
+             --plot $OUT/bench.png --json-out $OUT/bench.json 2>&1 | grep -v "^{" | tee $OUT/bench.log ;;
+    profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
+    ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;
+    serve) [ -f benchmarks/serve_load.py ] && timeout 150 python3 benchmarks/serve_load.py --model $M 2>&1 | tee $OUT/serve.log ;;
+    eval) [ -f benchmarks/eval_bench.py ] && timeout 240 python3 benchmarks/eval_bench.py --model $M 2>&1 | tee $OUT/eval.log ;;
+  esac
+done

@@ -1,0 +1,33 @@
+"""`asynct bench` and the seed ablation run end to end on the CPU (tiny preset)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from asynct.entrypoints.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_cli_on_cpu(tmp_path, tiny_ckpt, capsys):
+    plot, js = tmp_path / "b.png", tmp_path / "b.json"
+    assert main(["bench", "--model", str(tiny_ckpt), "--scale", "0.02", "--compare", "hf",
+                 "--plot", str(plot), "--json-out", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "copy bandwidth" in out and "step_over_roofline" in out
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["throughput", "gsm8k", "latency"]
+    for r in rows:
+        assert r["output_tokens"] > 0 and r["hf_output_tok_s"] > 0 and r["roofline_ms"] > 0
+    gsm = rows[1]
+    assert gsm["cached_prompt_tokens"] > 0        # the shared 5-shot prefix hit the prefix cache
+    assert plot.stat().st_size > 1000
+
+
+def test_seed_ablation_runs(tiny_ckpt):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seed_ablation.py"), "--model", str(tiny_ckpt),
+                        "--requests", "4", "--new-tokens", "2", "--stages", "0,1,2,3"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for stage in ("per-request Python loop", "padded batch", "length-bucketed", "vectorised gather"):
+        assert stage in r.stdout
