@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 for s in $stages; do
   echo "=== $s ($(date +%T))"
   case $s in
-    bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --hf-requests 64 \
+    bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --hf-requests 64 --gpu-memory-utilization 0.45 \
              --plot $OUT/bench.png --json-out $OUT/bench.json 2>&1 | grep -v "^{" | tee $OUT/bench.log ;;
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;

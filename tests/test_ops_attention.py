@@ -33,22 +33,23 @@ def _interpreter_scalars():
 
 
 def make_cache(lens, hkv, d, bs, dtype, device, gen):
-    """A paged cache holding len keys per sequence in shuffled blocks; unused slots are NaN so
-    that a kernel reading past a sequence shows up."""
+    """A paged cache holding len keys per sequence in shuffled blocks; the slots after each
+    sequence's last key are NaN so that a kernel reading past a sequence shows up."""
     need = [(n + bs - 1) // bs for n in lens]
-    nblk = 2 * sum(need) + 1
-    cache = torch.randn(2, nblk, bs, hkv, d, generator=gen).to(dtype)
-    perm = torch.randperm(nblk, generator=gen)
-    width = max(max(need), 1)
-    table = torch.zeros(len(lens), width, dtype=torch.int32)
-    at = 0
+    nblk = sum(need) + 3
+    dev_gen = torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
+    cache = torch.randn(2, nblk, bs, hkv, d, generator=dev_gen, device=device).to(dtype)
+    perm = torch.randperm(nblk, generator=gen).int()
+    table = torch.zeros(len(lens), max(max(need), 1), dtype=torch.int32)
+    starts = [0] + torch.tensor(need).cumsum(0).tolist()
+    slack = [(b, j) for b, n in enumerate(lens) for j in range(n, need[b] * bs)]
     for b, n in enumerate(need):
-        table[b, :n] = perm[at:at + n].int()
-        for j in range(n * bs):  # poison the slack after the last key
-            if j >= lens[b]:
-                cache[:, table[b, j // bs], j % bs] = float("nan")
-        at += n
-    return cache.to(device), table.to(device)
+        table[b, :n] = perm[starts[b]:starts[b] + n]
+    if slack:
+        bj = torch.tensor(slack)
+        blk = table[bj[:, 0], bj[:, 1] // bs].long().to(device)
+        cache[:, blk, (bj[:, 1] % bs).to(device)] = float("nan")
+    return cache, table.to(device)
 
 
 def loop_attention_f64(q, k, v, sigma, scale, pool, relu, pos):

@@ -117,7 +117,8 @@ def _hf_generate(model, reqs, device) -> int:
     with torch.inference_mode():
         out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new,
                              min_new_tokens=new, do_sample=False, pad_token_id=0)
-    return (out.shape[1] - width) * len(reqs)
+    assert out.shape[1] - width == new
+    return sum(sp.max_tokens for _, sp in reqs)   # the tokens asked for; the rest is padding work
 
 
 def _largest_batch(model, reqs, device) -> int:

@@ -4,6 +4,7 @@ choice between its decode kernel and the Triton one.
 Where nvcc is missing or the build fails, one warning is raised and Triton serves instead."""
 import functools
 import hashlib
+import importlib
 import os
 import warnings
 from pathlib import Path
@@ -63,7 +64,7 @@ def asynci_decode_cuda(q, kv_cache, block_table, seq_lens, sigma, scale, pool_si
 def pick_decode(q, kv_cache, pool_size=3):
     """The decode kernel for this shape: CUDA where it is supported and was measured faster
     (benchmarks/RESULTS.md, Kernels), else Triton; the reference where neither can run."""
-    from asynct.ops import asynci_decode as dec
+    dec = importlib.import_module("asynct.ops.asynci_decode")  # the module, not the function
     if dec.triton is None:
         if cuda_decode_supported(q, kv_cache, pool_size) and load_extension() is not None:
             return asynci_decode_cuda

@@ -53,18 +53,18 @@ def _blocks(c):
 
 @_jit
 def _dyht_kernel(x_ptr, out_ptr, alpha_ptr, weight_ptr, R, H, C, sx0, sx1, sa, sw,
-                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    cmask = cols < C
-    mask = (rows[:, None] < R) & cmask[None, :]
-    src = (rows // H).to(tl.int64) * sx0 + (rows % H).to(tl.int64) * sx1
-    x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=mask).to(tl.float32)
-    a = tl.load(alpha_ptr + cols * sa, mask=cmask).to(tl.float32)
-    w = tl.load(weight_ptr + cols * sw, mask=cmask).to(tl.float32)
-    y = w[None, :] * tl.minimum(tl.maximum(a[None, :] * x, -1.0), 1.0)
-    dst = rows.to(tl.int64)[:, None] * C + cols[None, :]
-    tl.store(out_ptr + dst, y.to(out_ptr.dtype.element_ty), mask=mask)
+                 BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
+    # 3-D tiles [rows, heads, channels]: no index division, any row and head stride
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None, None]
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[None, :, None]
+    c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)[None, None, :]
+    cmask = c < C
+    mask = (r < R) & (h < H) & cmask
+    x = tl.load(x_ptr + r.to(tl.int64) * sx0 + h * sx1 + c, mask=mask).to(tl.float32)
+    a = tl.load(alpha_ptr + c * sa, mask=cmask).to(tl.float32)
+    w = tl.load(weight_ptr + c * sw, mask=cmask).to(tl.float32)
+    y = w * tl.minimum(tl.maximum(a * x, -1.0), 1.0)
+    tl.store(out_ptr + (r.to(tl.int64) * H + h) * C + c, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dyht_triton(x, alpha, weight):
@@ -74,10 +74,12 @@ def dyht_triton(x, alpha, weight):
     if out.numel() == 0:
         return out
     sa, sw = _param_stride(alpha, c, "alpha"), _param_stride(weight, c, "weight")
-    block_c, block_r = _blocks(c)
-    grid = (triton.cdiv(r * h, block_r), triton.cdiv(c, block_c))
-    _dyht_kernel[grid](x3, out, alpha, weight, r * h, h, c, x3.stride(0), x3.stride(1), sa, sw,
-                       BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+    block_c = min(triton.next_power_of_2(c), 1024)
+    block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_c))
+    block_r = max(1, 8192 // (block_c * block_h))
+    grid = (triton.cdiv(r, block_r), triton.cdiv(h, block_h), triton.cdiv(c, block_c))
+    _dyht_kernel[grid](x3, out, alpha, weight, r, h, c, x3.stride(0), x3.stride(1), sa, sw,
+                       BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_C=block_c, num_warps=8)
     return out
 
 

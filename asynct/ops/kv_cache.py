@@ -35,12 +35,12 @@ def write_kv_cache_ref(k, v, kv_cache, slot_mapping):
 
 
 @_jit
-def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, sk0, sk1, sv0, sv1, cache_half, H,
-                     D: tl.constexpr, H_PAD: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t)
-    h = tl.arange(0, H_PAD)[:, None]
-    d = tl.arange(0, D)[None, :]
+def _write_kv_kernel(k_ptr, v_ptr, cache_ptr, slot_ptr, T, sk0, sk1, sv0, sv1, cache_half, H,
+                     D: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+    h = tl.arange(0, H_PAD)[None, :, None]
+    d = tl.arange(0, D)[None, None, :]
+    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
     mask = (h < H) & (slot >= 0)
     kk = tl.load(k_ptr + t.to(tl.int64) * sk0 + h * sk1 + d, mask=mask)
     vv = tl.load(v_ptr + t.to(tl.int64) * sv0 + h * sv1 + d, mask=mask)
@@ -57,9 +57,11 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping):
         raise ValueError(f"head_dim must be a power of two, got {d}")
     if t == 0:
         return
-    _write_kv_kernel[(t,)](k, v, kv_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                           v.stride(1), kv_cache[0].numel(), h, D=d,
-                           H_PAD=triton.next_power_of_2(h), num_warps=2)
+    h_pad = triton.next_power_of_2(h)
+    block_t = max(1, 4096 // (h_pad * d))
+    _write_kv_kernel[(triton.cdiv(t, block_t),)](
+        k, v, kv_cache, slot_mapping, t, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        kv_cache[0].numel(), h, D=d, H_PAD=h_pad, BLOCK_T=block_t, num_warps=4)
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping):

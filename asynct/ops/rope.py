@@ -45,11 +45,15 @@ def qk_norm_rope_ref(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_
 
 
 @_jit
-def _norm_rope_heads(x_ptr, out_ptr, t, pos, cs_ptr, sx0, sx1, a_ptr, w_ptr, sa, sw, H,
-                     HALF: tl.constexpr, H_PAD: tl.constexpr, HAS_NORM: tl.constexpr):
-    h = tl.arange(0, H_PAD)[:, None]
-    d = tl.arange(0, HALF)[None, :]
-    mask = h < H
+def _norm_rope_heads(x_ptr, out_ptr, t0, T, pos_ptr, cs_ptr, sx0, sx1, a_ptr, w_ptr, sa, sw, H,
+                     HALF: tl.constexpr, H_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+                     HAS_NORM: tl.constexpr):
+    # [tokens, heads, half] tiles; one cos/sin row per token serves all its heads
+    t = t0 + tl.arange(0, BLOCK_T)[:, None, None]
+    h = tl.arange(0, H_PAD)[None, :, None]
+    d = tl.arange(0, HALF)[None, None, :]
+    tmask = t < T
+    mask = tmask & (h < H)
     src = x_ptr + t.to(tl.int64) * sx0 + h * sx1 + d
     x1 = tl.load(src, mask=mask).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask).to(tl.float32)
@@ -57,9 +61,10 @@ def _norm_rope_heads(x_ptr, out_ptr, t, pos, cs_ptr, sx0, sx1, a_ptr, w_ptr, sa,
         x1 = tl.load(w_ptr + d * sw) * tl.minimum(tl.maximum(tl.load(a_ptr + d * sa) * x1, -1.0), 1.0)
         x2 = tl.load(w_ptr + (d + HALF) * sw) * tl.minimum(
             tl.maximum(tl.load(a_ptr + (d + HALF) * sa) * x2, -1.0), 1.0)
+    pos = tl.load(pos_ptr + t, mask=tmask, other=0)
     cs = cs_ptr + pos * (2 * HALF) + d
-    cos = tl.load(cs)
-    sin = tl.load(cs + HALF)
+    cos = tl.load(cs, mask=tmask)
+    sin = tl.load(cs + HALF, mask=tmask)
     dst = out_ptr + (t.to(tl.int64) * H + h) * (2 * HALF) + d
     ty = out_ptr.dtype.element_ty
     tl.store(dst, (x1 * cos - x2 * sin).to(ty), mask=mask)
@@ -67,18 +72,17 @@ def _norm_rope_heads(x_ptr, out_ptr, t, pos, cs_ptr, sx0, sx1, a_ptr, w_ptr, sa,
 
 
 @_jit
-def _qk_rope_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, cs_ptr, sq0, sq1, sk0, sk1,
+def _qk_rope_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, cs_ptr, T, sq0, sq1, sk0, sk1,
                     qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw, HQ, HK,
                     HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                    HAS_NORM: tl.constexpr):
-    t = tl.program_id(0)
-    pos = tl.load(pos_ptr + t)
+                    BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr):
+    t0 = tl.program_id(0) * BLOCK_T
     if tl.program_id(1) == 0:
-        _norm_rope_heads(q_ptr, qo_ptr, t, pos, cs_ptr, sq0, sq1, qa_ptr, qw_ptr, sqa, sqw, HQ,
-                         HALF, HQ_PAD, HAS_NORM)
+        _norm_rope_heads(q_ptr, qo_ptr, t0, T, pos_ptr, cs_ptr, sq0, sq1, qa_ptr, qw_ptr, sqa, sqw,
+                         HQ, HALF, HQ_PAD, BLOCK_T, HAS_NORM)
     else:
-        _norm_rope_heads(k_ptr, ko_ptr, t, pos, cs_ptr, sk0, sk1, ka_ptr, kw_ptr, ska, skw, HK,
-                         HALF, HK_PAD, HAS_NORM)
+        _norm_rope_heads(k_ptr, ko_ptr, t0, T, pos_ptr, cs_ptr, sk0, sk1, ka_ptr, kw_ptr, ska, skw,
+                         HK, HALF, HK_PAD, BLOCK_T, HAS_NORM)
 
 
 def _check(x, name):
@@ -110,11 +114,13 @@ def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2):
     qa, qw, ka, kw = [p.float().contiguous() for p in params]
     strides = [_pstride(p, d, n) for p, n in zip((qa, qw, ka, kw), ("q_alpha", "q_weight",
                                                                      "k_alpha", "k_weight"))]
-    _qk_rope_kernel[(t, pairs)](q, qo, k, ko, positions, cos_sin_cache.contiguous(), q.stride(0),
-                            q.stride(1), k.stride(0), k.stride(1), qa, qw, ka, kw, *strides,
-                            hq, k.shape[1], HALF=d // 2, HQ_PAD=triton.next_power_of_2(hq),
-                            HK_PAD=triton.next_power_of_2(k.shape[1]), HAS_NORM=has_norm,
-                            num_warps=4)
+    hq_pad = triton.next_power_of_2(hq)
+    block_t = max(1, 4096 // (hq_pad * d // 2))
+    _qk_rope_kernel[(triton.cdiv(t, block_t), pairs)](
+        q, qo, k, ko, positions, cos_sin_cache.contiguous(), t, q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), qa, qw, ka, kw, *strides, hq, k.shape[1], HALF=d // 2,
+        HQ_PAD=hq_pad, HK_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_T=block_t,
+        HAS_NORM=has_norm, num_warps=4)
     return qo, ko
 
 
