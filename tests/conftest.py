@@ -19,3 +19,13 @@ from asynct.model.checkpoint import make_checkpoint  # noqa: E402
 def tiny_ckpt(tmp_path_factory):
     """A float32 tiny checkpoint with a byte-level tokenizer, shared by the whole session."""
     return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny"), seed=1)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory():
+    """Each engine takes a share of free GPU memory: give it back between tests."""
+    yield
+    if torch.cuda.is_available():
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()

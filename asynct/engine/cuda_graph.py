@@ -15,7 +15,7 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
 
 class CudaGraphRunner:
     def __init__(self, runner, max_num_seqs: int):
-        self.runner = runner
+        self.backend, self.model = runner.backend, runner.model   # not the runner: no cycle
         self.sizes = batch_size_ladder(max_num_seqs)
         self.max_bs = self.sizes[-1]
         dev = runner.device
@@ -30,7 +30,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self):
         pool = None
-        backend, model = self.runner.backend, self.runner.model
+        backend, model = self.backend, self.model
         for bs in reversed(self.sizes):
             set_context(backend.prepare_for_capture(bs))
             self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])   # warm-up
@@ -52,6 +52,6 @@ class CudaGraphRunner:
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
         self.positions[n:bs].zero_()
-        self.runner.backend.prepare_for_replay(metadata, bs)
+        self.backend.prepare_for_replay(metadata, bs)
         self.graphs[bs].replay()
         return self.hidden[:n]

@@ -86,9 +86,11 @@ class LLMEngine:
         if a.num_kv_blocks:
             return a.num_kv_blocks
         if self.device.type == "cuda":
-            peak = self.runner.profile_peak_memory()
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            budget = total * a.gpu_memory_utilization - peak
+            # what is free now (other engines and processes included), less the share the
+            # user keeps back and this engine's activation peak
+            activations = self.runner.profile_activation_memory()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - total * (1 - a.gpu_memory_utilization) - activations
         else:
             budget = a.kv_cache_memory
         blocks = int(budget // self.runner.block_bytes)

@@ -48,28 +48,29 @@ class ModelRunner:
         return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
                 * torch.finfo(self.dtype).bits // 8)
 
-    def allocate_kv_cache(self, num_blocks: int):
+    def allocate_kv_cache(self, num_blocks: int, capture: bool = True):
         c = self.config
         shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.attn.kv_cache = self.kv_cache[i]
-        if self.use_graphs:
+        if self.use_graphs and capture:
             self.graphs = CudaGraphRunner(self, self.max_num_seqs)
 
     @torch.inference_mode()
-    def profile_peak_memory(self) -> int:
-        """Peak bytes of a full-budget prefill over a scratch cache, weights included."""
+    def profile_activation_memory(self) -> int:
+        """Peak bytes a full-budget prefill needs beyond the weights (over a scratch cache)."""
         n = min(self.max_num_batched_tokens, self.max_model_len)
         blocks = (n + self.block_size - 1) // self.block_size
-        self.allocate_kv_cache(blocks)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
+        self.allocate_kv_cache(blocks, capture=False)
         torch.cuda.reset_peak_memory_stats(self.device)
         step = StepInputs([n], [n], [list(range(blocks))], list(range(n)), 0)
         self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                       torch.arange(n, device=self.device), self.builder.build(step))
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
         self.kv_cache = None
-        self.graphs = None
         for layer in self.model.layers:
             layer.attn.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
