@@ -192,3 +192,19 @@ def test_text_prompt_needs_tokenizer(tmp_path):
                        use_tqdm=False)
     assert "no tokenizer" in out[0].error
     assert len(out[1].outputs[0].token_ids) == 3 and out[1].outputs[0].text == ""
+
+
+def test_bf16_engine_keeps_fp32_rope_and_norms(tiny_ckpt, reference):
+    llm = LLM(tiny_ckpt, dtype="bfloat16")
+    model = llm.llm_engine.runner.model
+    assert model.cos_sin_cache.dtype == torch.float32 and model.layers[0].attn.sigma.dtype == torch.float32
+    assert model.layers[0].qkv_proj.weight.dtype == torch.bfloat16
+    prompts = random_prompts(6, 5, 60, seed=11)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    for p, o in zip(prompts, outs):   # bf16 agrees with fp32 to bf16 rounding
+        with torch.no_grad():
+            ref = reference(torch.tensor([p])).logits[0].log_softmax(-1)
+        got = torch.tensor([o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
+        want = torch.tensor([ref[i - 1, p[i]].item() for i in range(1, len(p))])
+        assert ((got - want).norm() / want.norm()).item() < 2e-2

@@ -33,6 +33,7 @@ class ModelRunner:
         for name, p in self.model.named_parameters():   # norms and sigma stay fp32: they are tiny
             if name.endswith(("alpha", "sigma")) or ("norm" in name and name.endswith("weight")):
                 p.data = p.data.float()
+        self.model.cos_sin_cache = self.model.rope_cache(self.device)   # fp32: .to(dtype) cast it
         load_weights(self.model, model_path)
         self.model.eval()
         self.kv_cache = None

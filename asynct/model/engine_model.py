@@ -88,8 +88,11 @@ class AsyncTEngineModel(nn.Module):
                                          for i in range(config.num_hidden_layers))
         self.norm = make_norm(config, "model.norm", c)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(c, config.vocab_size, bias=False)
-        cs = ops.rope_cos_sin_cache(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        self.register_buffer("cos_sin_cache", cs, persistent=False)
+        self.register_buffer("cos_sin_cache", self.rope_cache(None), persistent=False)
+
+    def rope_cache(self, device):
+        c = self.config
+        return ops.rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
 
     def forward(self, input_ids, positions):
         """Returns the final-normed hidden state of every token."""
