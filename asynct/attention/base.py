@@ -6,6 +6,7 @@ layer. Decodes come first in a batch, so `[:num_decode_tokens]` is the decode su
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -43,6 +44,14 @@ class StepInputs:
     num_decodes: int
 
 
+def block_table_array(tables: list[list[int]]) -> np.ndarray:
+    """Ragged block tables -> a zero-padded int32 array (row copies, not a list of lists)."""
+    out = np.zeros((len(tables), max(map(len, tables), default=1) or 1), dtype=np.int32)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = t
+    return out
+
+
 class AttentionMetadataBuilder(ABC):
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
@@ -53,8 +62,7 @@ class AttentionMetadataBuilder(ABC):
         qsl = [0]
         for n in step.query_lens:
             qsl.append(qsl[-1] + n)
-        width = max((len(b) for b in step.block_tables), default=0) or 1
-        table = [b + [0] * (width - len(b)) for b in step.block_tables]
+        table = block_table_array(step.block_tables)
         dev = self.device
         return dict(
             num_decodes=step.num_decodes, num_prefills=len(step.query_lens) - step.num_decodes,
@@ -62,7 +70,7 @@ class AttentionMetadataBuilder(ABC):
             max_query_len=max(step.query_lens, default=0), max_seq_len=max(step.seq_lens, default=0),
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.tensor(table, dtype=torch.int32, device=dev).view(len(table), width),
+            block_table=torch.from_numpy(table).to(dev, non_blocking=True),
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
             query_start_loc_cpu=tuple(qsl), seq_lens_cpu=tuple(step.seq_lens))
 

@@ -34,6 +34,7 @@ class EngineArgs:
     enforce_eager: bool = False
     kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
     num_kv_blocks: int | None = None      # overrides both sizings (tests)
+    admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16
     tokenizer: str | None = None
 
 
@@ -74,7 +75,8 @@ class LLMEngine:
         self.runner.max_model_len = self.max_model_len
         self.runner.allocate_kv_cache(num_blocks)
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens)
+        admit = args.admission_batch or max(1, args.max_num_seqs // 16)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, admit)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "decode_steps": 0,
@@ -149,6 +151,8 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Runs one batch; returns the outputs of requests that finished, and of streaming
+        requests that progressed."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -164,7 +168,9 @@ class LLMEngine:
             self.block_manager.commit_full_blocks(seq)
             if token is not None and not seq.is_finished:
                 self._append(seq, token, lp)
-            touched[seq.request_id] = self.requests[seq.request_id]
+            req = self.requests[seq.request_id]
+            if req.stream or req.finished:
+                touched[seq.request_id] = req
         return [self._output(req) for req in touched.values()]
 
     def _count(self, batch, seconds):

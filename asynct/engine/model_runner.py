@@ -115,7 +115,10 @@ class ModelRunner:
                     if s.num_computed_tokens + n == len(s)]
         prompt_rows = self._prompt_logprob_rows(batch, qsl)
         rows = [qsl[i + 1] - 1 for i in samplers] + [r for _, r, _ in prompt_rows]
-        logits = self.model.compute_logits(hidden[rows]).float() if rows else None
+        if rows == list(range(hidden.shape[0])):
+            logits = self.model.compute_logits(hidden)          # decode steps: every row samples
+        else:
+            logits = self.model.compute_logits(hidden[rows]) if rows else None
         tokens: list = [None] * len(batch.seqs)
         logprobs: list = [None] * len(batch.seqs)
         if samplers:
@@ -130,7 +133,7 @@ class ModelRunner:
         want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
             return [None] * len(seqs)
-        entries = _entries(logits.log_softmax(-1), sampled, [w or 0 for w in want])
+        entries = _entries(logits.log_softmax(-1, dtype=torch.float32), sampled, [w or 0 for w in want])
         return [e if w is not None else None for e, w in zip(entries, want)]
 
     def _prompt_logprob_rows(self, batch, qsl):
@@ -151,7 +154,7 @@ class ModelRunner:
             return out
         targets = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
         want = [batch.seqs[i].params.prompt_logprobs for i, _, _ in prompt_rows]
-        for (i, _, _), e in zip(prompt_rows, _entries(logits[offset:].log_softmax(-1), targets, want)):
+        for (i, _, _), e in zip(prompt_rows, _entries(logits[offset:].log_softmax(-1, dtype=torch.float32), targets, want)):
             out[i].append(e)
         return out
 

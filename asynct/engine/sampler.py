@@ -40,6 +40,9 @@ def _exponential_noise(probs, seqs):
 
 def suppress_stops(logits, seqs, eos_token_id):
     """Before min_tokens are out, EOS and stop tokens cannot be drawn."""
+    if not any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+        return logits
+    logits = logits.clone()
     for i, s in enumerate(seqs):
         if s.num_output_tokens < s.params.min_tokens:
             banned = list(s.params.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
@@ -49,11 +52,13 @@ def suppress_stops(logits, seqs, eos_token_id):
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id=None) -> torch.Tensor:
-    """logits [R, V] (fp32) of the rows that sample -> token ids [R] (on the logits' device)."""
-    logits = suppress_stops(logits.clone(), seqs, eos_token_id)
+    """logits [R, V] of the rows that sample -> token ids [R] (on the logits' device). Greedy
+    rows take the argmax of the model-dtype logits; sampling runs in fp32."""
+    logits = suppress_stops(logits, seqs, eos_token_id)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         return logits.argmax(-1)
+    logits = logits.float()
     temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
     scaled = _filter_top_k_top_p_min_p(logits / temps[:, None], seqs)
     probs = scaled.softmax(-1)

@@ -19,8 +19,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 admission_batch: int = 1):
         self.block_manager = block_manager
+        self.admission_batch = admission_batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -46,7 +48,8 @@ class Scheduler:
                 self.block_manager.allocate(seq, n)
                 picked.append((seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        admitting = self._admitting()
+        while admitting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             n = self._admit(self.waiting[0], budget)
             if not n:
                 break
@@ -55,6 +58,12 @@ class Scheduler:
         picked.sort(key=lambda p: p[1] != 1)  # stable: one-token queries (decodes) first
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked],
                               sum(1 for _, n in picked if n == 1))
+
+    def _admitting(self) -> bool:
+        """New sequences join in groups: a step with prefill runs without a CUDA graph and costs
+        several decode steps, so refilling one freed slot per step is the slow way to go."""
+        free = self.max_num_seqs - len(self.running)
+        return free >= min(self.admission_batch, len(self.waiting))
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         bm = self.block_manager
