@@ -1,0 +1,91 @@
+"""`vllm.LLM` on AsyncT checkpoints: greedy tokens equal asynct's reference model, and the AsyncT
+backend (not vLLM's CPU_ATTN) did the attention."""
+import gc
+from importlib.metadata import entry_points
+
+import pytest
+
+from vllm_helpers import HAVE_VLLM, MAX_TOKENS, make_prompts, reference_greedy
+
+if not HAVE_VLLM:
+    pytest.skip("vLLM not installed (see scripts/ci_vllm.sh)", allow_module_level=True)
+
+from asynct.integrations.vllm import backend  # noqa: E402
+
+
+@pytest.fixture
+def cpu_attn_calls(monkeypatch):
+    """Counts calls into vLLM's own CPU attention (must stay 0)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+    calls = []
+    original = CPUAttentionBackendImpl.forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward", spy)
+    return calls
+
+
+def run_llm(ckpt, prompts, rounds=1, **engine_args):
+    """Greedy generations of `prompts`, `rounds` times on one engine (later rounds hit the
+    prefix cache), and the backend's STATS delta."""
+    from vllm import LLM, SamplingParams
+    before = backend.STATS.copy()
+    engine_args = {"dtype": "float32", **engine_args}
+    llm = LLM(model=ckpt, max_model_len=256, enforce_eager=True, seed=0, **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        results = []
+        for _ in range(rounds):
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            results.append([list(o.outputs[0].token_ids) for o in outs])
+    finally:
+        del llm
+        gc.collect()
+    return results, backend.STATS - before
+
+
+def test_entry_point_is_declared():
+    names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "asynct.integrations.vllm:register" in names
+
+
+def test_greedy_matches_reference(tiny_ckpt, cpu_attn_calls):
+    prompts = make_prompts()
+    (got,), stats = run_llm(tiny_ckpt, prompts)
+    assert got == reference_greedy(tiny_ckpt, prompts)
+    assert stats["forwards"] > 0 and not cpu_attn_calls
+
+
+def test_chunked_prefill_small_blocks_prefix_cache(tiny_ckpt, monkeypatch, cpu_attn_calls):
+    """16-token steps split the long prompts into chunks mixed with decodes; 4-token blocks make
+    every sequence span many blocks; the second round starts from cached prefixes. Runs the
+    backend's own torch path (the first test runs the shared asynct.ops)."""
+    monkeypatch.setenv("ASYNCT_VLLM_ATTN", "torch")
+    prompts = make_prompts()
+    rounds, stats = run_llm(tiny_ckpt, prompts, rounds=2, block_size=4,
+                            max_num_batched_tokens=16, max_num_seqs=4,
+                            enable_chunked_prefill=True, enable_prefix_caching=True)
+    want = reference_greedy(tiny_ckpt, prompts)
+    assert rounds[0] == want and rounds[1] == want
+    assert stats["forwards_torch"] > 0 and not stats["forwards_ops"] and not cpu_attn_calls
+
+
+def test_tied_head_per_channel_alpha_odd_head(tied_ckpt, cpu_attn_calls):
+    prompts = make_prompts(seed=5)
+    (got,), stats = run_llm(tied_ckpt, prompts, block_size=8)
+    assert got == reference_greedy(tied_ckpt, prompts)
+    assert stats["forwards"] > 0 and not cpu_attn_calls
+
+
+def test_bfloat16_runs(tiny_ckpt, cpu_attn_calls):
+    """bf16 weights and cache: no token equality (MODEL.md allows bf16 rounding), only that it
+    runs through the backend and stays close to the fp32 reference."""
+    prompts = make_prompts()
+    (got,), stats = run_llm(tiny_ckpt, prompts, dtype="bfloat16")
+    want = reference_greedy(tiny_ckpt, prompts)
+    assert [len(g) for g in got] == [MAX_TOKENS] * len(prompts)
+    # The first token has no bf16 history to diverge on; allow one near-tie among the prompts.
+    assert sum(g[0] == w[0] for g, w in zip(got, want)) >= len(prompts) - 1
+    assert stats["forwards"] > 0 and not cpu_attn_calls
