@@ -17,7 +17,7 @@ for s in $stages; do
   case $s in
     smoke) timeout 150 python3 -m pytest tests/test_engine.py -x -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/smoke.log
            grep -q " passed" $OUT/smoke.log && ! grep -q "failed" $OUT/smoke.log || exit 1 ;;
-    bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --hf-requests 64 --gpu-memory-utilization 0.45 \
+    bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --gpu-memory-utilization 0.45 \
              --plot $OUT/bench.png --json-out $OUT/bench.json 2>&1 | grep -v "^{" | tee $OUT/bench.log ;;
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;

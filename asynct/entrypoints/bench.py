@@ -96,6 +96,7 @@ def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:
     model = AsyncTForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     sub = requests[:max_requests]
     batch = _largest_batch(model, sub, device)
+    sub = sub[:batch]                      # one full batch at the size lm-eval's "auto" would pick
     t0, out_tokens = _now(device), 0
     for i in range(0, len(sub), batch):
         out_tokens += _hf_generate(model, sub[i:i + batch], device)
@@ -176,7 +177,8 @@ def add_parser(sub):
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
     p.add_argument("--compare", choices=["hf"], default=None)
-    p.add_argument("--hf-requests", type=int, default=64, help="subset size for the HF run")
+    p.add_argument("--hf-requests", type=int, default=512,
+                   help="most requests in the HF run: one batch of the largest size that fits")
     p.add_argument("--plot", default=None)
     p.add_argument("--json-out", default=None)
     add_engine_args(p)

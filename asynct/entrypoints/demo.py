@@ -4,8 +4,11 @@ import time
 from pathlib import Path
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tiny-gsm"
+# In the shipped model's training format (scripts/train_tiny.py): gsm8k's "Question: ...\nAnswer:".
 QUESTIONS = ["Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:",
-             "Question: A box holds 9 pens. Sara takes 2 pens out. How many pens are left in the box?\nAnswer:"]
+             "Question: A box holds 9 pens. Sara takes 2 pens out. How many pens are left in the box?\nAnswer:",
+             "Question: Mia has 4 boxes with 6 cookies in each box and finds 5 more cookies. "
+             "How many cookies does Mia have?\nAnswer:"]
 
 
 def run_demo(model=None):

@@ -115,9 +115,9 @@ def _sm_count(device_index):
 
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
-    """Enough programs for ~3 waves of the SMs, each split at least two tiles long."""
+    """Enough programs for ~3 waves of the SMs, each split at least a tile long."""
     want = triton.cdiv(3 * sms, max(1, batch * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_seq_len, 2 * BLOCK_N), 64))
+    return max(1, min(want, triton.cdiv(max_seq_len, BLOCK_N), 64))
 
 
 def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
@@ -142,7 +142,8 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, block_n=BLOCK_N, num_warps=4):
+                         out, max_seq_len=None, splits=None, block_n=BLOCK_N, num_warps=4,
+                         num_stages=2):
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     b, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
@@ -163,7 +164,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         q, kv_cache[0], kv_cache[1], block_table, seq_lens, sigma.float().contiguous(), dst,
         float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, hkv, g,
         D=d, BS=bs, M=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, P=int(pool_size),
-        RELU=bool(relu_pre), PREC=prec, num_warps=num_warps, num_stages=2)
+        RELU=bool(relu_pre), PREC=prec, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits,
                                     S_PAD=triton.next_power_of_2(splits), D=d, num_warps=4)

@@ -24,13 +24,61 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit
+def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr):
+    """0/1 matrix F with (r @ F)[j] = sum of r over the pool window of key j: F[i, j] = 1 when
+    key i of this tile (PREV: of the tile before) lies in j-P+1..j."""
+    i = tl.arange(0, BLOCK_N)[:, None]
+    j = tl.arange(0, BLOCK_N)[None, :]
+    if PREV:
+        band = i - BLOCK_N >= j - (P - 1)
+    else:
+        band = (j - i >= 0) & (j - i <= P - 1)
+    return tl.where(band, 1.0, 0.0).to(tl.float16)
+
+
+@_jit
+def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, rp_hi, rp_lo, f_cur, f_prev,
+          kvh, HKV, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+          P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr,
+          POOL_DOT: tl.constexpr):
+    keys = j0 + tl.arange(0, BLOCK_N)
+    kmask = keys < hi
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    r = tl.maximum(s, 0.0) if RELU else s
+    if MASKED:  # keys past a query's position pool as zeros (only later keys read them)
+        valid = kmask[None, :] & (keys[None, :] <= pos[:, None])
+        r = tl.where(valid, r, 0.0)
+    if POOL_DOT:
+        # the pool as products with a 0/1 band on the tensor cores; r split into two fp16
+        # halves so that the sum keeps ~22 mantissa bits (scores past 2^15 are not real)
+        rc = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
+        r_hi = rc.to(tl.float16)
+        r_lo = (rc - r_hi.to(tl.float32)).to(tl.float16)
+        lp = tl.dot(r_hi, f_cur)
+        lp = tl.dot(r_lo, f_cur, lp)
+        if P > 1:
+            lp = tl.dot(rp_hi, f_prev, lp)
+            lp = tl.dot(rp_lo, f_prev, lp)
+        a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
+        rp_hi, rp_lo = r_hi, r_lo
+    else:
+        a = pool_gate(s, r, r_prev, sigma, P, BLOCK_N)
+    if MASKED:
+        a = tl.where(valid, a, 0.0)
+    acc = tl.dot(a.to(v.dtype), v, acc, input_precision=PREC)
+    return acc, r, rp_hi, rp_lo
+
+
+@_jit
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
                     sqt, sqh, sot, soh, sbt, HKV, G,
                     D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                    RELU: tl.constexpr, PREC: tl.constexpr):
+                    RELU: tl.constexpr, PREC: tl.constexpr, POOL_DOT: tl.constexpr):
     b = tl.program_id(0)
-    qt = tl.program_id(1)
+    qt = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest key walks start first
     kvh = tl.program_id(2)
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     q0 = tl.load(qsl_ptr + b)
@@ -50,23 +98,25 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     # this tile's last query sees keys up to ctx + its last token; empty tiles loop zero times
-    hi = tl.where(qt * BLOCK_Q < q_len, ctx + tl.minimum(qt * BLOCK_Q + BLOCK_Q, q_len), 0)
+    live = qt * BLOCK_Q < q_len
+    hi = tl.where(live, ctx + tl.minimum(qt * BLOCK_Q + BLOCK_Q, q_len), 0)
+    # tiles wholly at or below the first query's position need no causal mask
+    full = tl.where(live, (ctx + qt * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, 0)
 
-    n = tl.arange(0, BLOCK_N)
+    f_cur = _band(BLOCK_N, P, False)
+    f_prev = _band(BLOCK_N, P, True)
     r_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rp_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
+    rp_lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for j0 in range(0, hi, BLOCK_N):
-        keys = j0 + n
-        kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
-        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        # keys past a query's position pool as zeros; only later keys read them, also masked
-        valid = kmask[None, :] & (keys[None, :] <= pos[:, None])
-        r = tl.where(valid, tl.maximum(s, 0.0) if RELU else s, 0.0)
-        a = tl.where(valid, pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
-        r_prev = r
+    for j0 in range(0, full, BLOCK_N):
+        acc, r_prev, rp_hi, rp_lo = _tile(
+            q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, rp_hi, rp_lo, f_cur, f_prev,
+            kvh, HKV, scale, BS, D, BLOCK_N, P, RELU, PREC, False, POOL_DOT)
+    for j0 in range(full, hi, BLOCK_N):
+        acc, r_prev, rp_hi, rp_lo = _tile(
+            q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, rp_hi, rp_lo, f_cur, f_prev,
+            kvh, HKV, scale, BS, D, BLOCK_N, P, RELU, PREC, True, POOL_DOT)
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -94,7 +144,7 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
 
 def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                           pool_size, relu_pre, out, max_query_len, max_seq_len=None,
-                          block_m=128, block_n=64, num_warps=8, num_stages=2):
+                          block_m=128, block_n=64, num_warps=8, num_stages=2, pool_dot=False):
     _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
     hq, d = q.shape[1:]
     _, _, bs, hkv, _ = kv_cache.shape
@@ -110,7 +160,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         sigma.float().contiguous(), out, float(scale), q.stride(0), q.stride(1), out.stride(0),
         out.stride(1), block_table.stride(0), hkv, g, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", POOL_DOT=pool_dot, num_warps=num_warps,
         num_stages=num_stages)
     return out
 

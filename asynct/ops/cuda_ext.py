@@ -75,4 +75,6 @@ def pick_decode(q, kv_cache, pool_size=3):
     return dec.asynci_decode_triton
 
 
-CUDA_DEFAULT = True  # set from the measurements in benchmarks/RESULTS.md
+# Triton's decode measured faster than this CUDA kernel at every benchmarked shape on the H200
+# (benchmarks/RESULTS.md, Kernels), so the dispatch uses CUDA only where Triton is missing.
+CUDA_DEFAULT = False
