@@ -1,5 +1,10 @@
 """Fused ops: each has a plain-torch `*_ref`, Triton (and for decode, CUDA) kernels, and a
 dispatch function that runs the kernel on CUDA tensors and the reference elsewhere."""
+import importlib.util
+import warnings
+
+import torch
+
 from asynct.ops.asynci_decode import asynci_decode, asynci_decode_triton
 from asynct.ops.asynci_prefill import asynci_prefill, asynci_prefill_triton
 from asynct.ops.dyht import dyht, dyht_add, dyht_add_ref, dyht_add_triton, dyht_ref, dyht_triton
@@ -8,6 +13,9 @@ from asynct.ops.paged_ref import asynci_decode_ref, asynci_prefill_ref
 from asynct.ops.reglu import reglu, reglu_ref, reglu_triton
 from asynct.ops.rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_triton, rope,
                              rope_cos_sin_cache, rope_ref, rope_triton)
+
+if torch.cuda.is_available() and importlib.util.find_spec("triton") is None:
+    warnings.warn("triton is not installed: asynct.ops runs its slow torch references on CUDA")
 
 __all__ = [
     "asynci_decode", "asynci_decode_ref", "asynci_decode_triton",
