@@ -208,3 +208,14 @@ def test_bf16_engine_keeps_fp32_rope_and_norms(tiny_ckpt, reference):
         got = torch.tensor([o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))])
         want = torch.tensor([ref[i - 1, p[i]].item() for i in range(1, len(p))])
         assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_incremental_text_equals_full_decode_at_finish(tiny_ckpt):
+    """A random byte model emits partial UTF-8; text kept for stop strings must still end whole."""
+    llm = LLM(tiny_ckpt)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 30, seed=5)]
+    plain = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    held = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=["\x00never"]),
+                        use_tqdm=False)
+    assert [o.outputs[0].text for o in held] == [o.outputs[0].text for o in plain]
+    assert any(o.outputs[0].text for o in plain)

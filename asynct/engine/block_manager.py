@@ -1,5 +1,5 @@
 """KV-cache blocks: reference counts and prefix caching by chained hashes of full blocks."""
-from collections import deque
+from collections import OrderedDict
 
 from asynct.engine.sequence import Sequence
 
@@ -20,7 +20,9 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # an insertion-ordered set: O(1) removal of a cached block that gets reused, and the
+        # oldest freed block is taken first, so recently freed prefixes stay cached longest
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block_id: dict[int, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.num_queries = self.num_hits = 0      # prefix-cache hit rate, in blocks
@@ -34,7 +36,8 @@ class BlockManager:
         return len(self.blocks)
 
     def _take_free_block(self) -> Block:
-        block = self.blocks[self.free_block_ids.popleft()]
+        bid, _ = self.free_block_ids.popitem(last=False)
+        block = self.blocks[bid]
         if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]   # evict the cached contents it held
         block.hash, block.token_ids, block.ref_count = -1, (), 1
@@ -76,7 +79,7 @@ class BlockManager:
         if hits:
             for block in hits:
                 if block.ref_count == 0:
-                    self.free_block_ids.remove(block.block_id)
+                    del self.free_block_ids[block.block_id]
                 block.ref_count += 1
                 seq.block_table.append(block.block_id)
                 seq.block_hashes.append(block.hash)
@@ -106,7 +109,7 @@ class BlockManager:
             block = self.blocks[bid]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free_block_ids.append(bid)
+                self.free_block_ids[bid] = None
         seq.block_table = []
         seq.block_hashes = []
 

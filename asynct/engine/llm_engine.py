@@ -109,7 +109,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
-        self._check_prompt(ids, params)
+        self.check_prompt(ids, params)
         req = Request(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, ids, params, self.args.block_size, len(self.requests))
@@ -128,7 +128,8 @@ class LLMEngine:
             raise ValueError("prompt token ids must be integers")
         return None, ids
 
-    def _check_prompt(self, ids, params):
+    def check_prompt(self, ids, params):
+        """Raises ValueError naming what is wrong with a tokenized prompt."""
         if not ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
@@ -191,6 +192,9 @@ class LLMEngine:
         reason = self._stop_reason(seq, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            if self.detokenizer and not isinstance(seq.stop_reason, str):
+                # incremental text holds back an unfinished character; the whole text has it
+                seq.text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
 
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params

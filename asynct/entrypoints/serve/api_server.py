@@ -1,0 +1,173 @@
+"""The FastAPI app: routes, OpenAI-style errors, API key and body-size guards, and `serve`."""
+import contextlib
+import logging
+import secrets
+from collections import Counter
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
+
+from asynct.entrypoints.serve.async_engine import AsyncEngine
+from asynct.entrypoints.serve.chat import create_chat_completion, render_chat
+from asynct.entrypoints.serve.completions import create_completion
+from asynct.entrypoints.serve.metrics import render_metrics
+from asynct.entrypoints.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               TokenizeRequest)
+from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
+
+log = logging.getLogger("asynct.serve")
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # /health, /metrics stay open
+
+
+def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 16 << 20) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        import asyncio
+        ctx.engine.start(asyncio.get_running_loop())
+        yield
+        ctx.engine.stop()
+
+    app = FastAPI(title="asynct", lifespan=lifespan)
+    app.state.ctx, app.state.http_counts = ctx, Counter()
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, counts=app.state.http_counts)
+    add_error_handlers(app)
+    add_routes(app, ctx)
+    return app
+
+
+def add_routes(app: FastAPI, ctx: ServingContext):
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await create_completion(body, request, ctx)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await create_chat_completion(body, request, ctx)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "asynct",
+                "max_model_len": ctx.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        if ctx.engine.thread is None or not ctx.engine.thread.is_alive():
+            raise ApiError(503, "the engine thread is not running")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(render_metrics(ctx.engine, ctx.model_name, app.state.http_counts),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        ctx.check_model(body.model)
+        ctx.need_tokenizer("/tokenize")
+        if body.messages is not None:
+            ids = render_chat(ctx, body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise ApiError(400, "give prompt or messages")
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        ctx.check_model(body.model)
+        ctx.need_tokenizer("/detokenize")
+        vocab = ctx.engine.engine.config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        ctx.need_tokenizer("/tokenizer_info")
+        t = ctx.tokenizer
+        return {"tokenizer_class": type(t).__name__, "eos_token": t.eos_token, "bos_token": t.bos_token,
+                "pad_token": t.pad_token, "chat_template": getattr(t, "chat_template", None),
+                "model_max_length": ctx.max_model_len}
+
+
+def add_error_handlers(app: FastAPI):
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        # OpenAI answers 400 for a body it cannot use, malformed JSON included
+        errs = e.errors()
+        if any(err.get("type") == "json_invalid" for err in errs):
+            msg = "malformed JSON body: " + "; ".join(str(err.get("ctx", {}).get("error", err["msg"])) for err in errs)
+        else:
+            msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errs)
+        return JSONResponse(error_body(400, msg), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def crash(request, e: Exception):
+        log.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
+
+
+class Guard:
+    """Pure ASGI (so streaming is untouched): API key, body-size limit, response counts."""
+
+    def __init__(self, app, api_key, max_body_bytes, counts):
+        self.app, self.api_key, self.max_body_bytes, self.counts = app, api_key, max_body_bytes, counts
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted_send(msg):
+            if msg["type"] == "http.response.start":
+                self.counts[msg["status"]] += 1
+            await send(msg)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        problem = self._check(scope["path"], headers)
+        if problem:
+            return await JSONResponse(error_body(*problem), status_code=problem[0],
+                                      headers={"WWW-Authenticate": "Bearer"} if problem[0] == 401 else None)(
+                scope, receive, counted_send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_body_bytes:    # chunked bodies carry no length up front
+                raise HTTPException(413, f"the request body exceeds {self.max_body_bytes} bytes")
+            return msg
+
+        await self.app(scope, limited_receive, counted_send)
+
+    def _check(self, path: str, headers: dict):
+        if self.api_key and path.startswith(PROTECTED):
+            given = headers.get("authorization", "")
+            token = given[7:] if given[:7].lower() == "bearer " else ""
+            if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+                return 401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "invalid_api_key"
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            return 413, f"the request body ({length} bytes) exceeds {self.max_body_bytes} bytes", "body_too_large"
+        return None
+
+
+def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,
+             max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, **engine_kwargs) -> FastAPI:
+    """Loads the engine (the slow part) and builds the app; the engine thread starts with the app."""
+    from asynct.engine.llm_engine import EngineArgs, LLMEngine
+    engine = LLMEngine(EngineArgs(model=str(model), **engine_kwargs))
+    ctx = ServingContext(AsyncEngine(engine, max_queued_requests), str(model), served_model_name)
+    return build_app(ctx, api_key, max_body_bytes)

@@ -1,0 +1,110 @@
+"""/v1/chat/completions: the messages go through the tokenizer's chat template, then the same
+engine path as completions."""
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from asynct.entrypoints.serve.async_engine import EngineError
+from asynct.entrypoints.serve.protocol import ChatCompletionRequest
+from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext, TextStream, collect,
+                                              error_body, finite, request_id, sse, usage)
+
+
+def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None) -> list[int]:
+    ctx.need_tokenizer("chat")
+    if not getattr(ctx.tokenizer, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template, so /v1/chat/completions "
+                            "cannot format messages: use /v1/completions with a prompt")
+    try:
+        msgs = [m.for_template() for m in messages]
+        text = ctx.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 **(kwargs or {}))
+    except ApiError:
+        raise
+    except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
+        raise ApiError(400, f"the chat template failed on these messages: {e}") from None
+    return ctx.detok.encode(text)
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
+    ctx.check_model(body.model)
+    try:
+        params = body.to_params()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    ctx.check_prompt(ids, params)
+    chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
+    handle = ctx.submit([ids], params, stream=body.stream)
+    if body.stream:
+        return StreamingResponse(chat.stream(handle), media_type="text/event-stream")
+    return JSONResponse(chat.response((await collect(handle, request))[0]))
+
+
+class Chat:
+    def __init__(self, ctx, body: ChatCompletionRequest, params, rid: str, num_prompt_tokens: int):
+        self.ctx, self.body, self.params, self.id = ctx, body, params, rid
+        self.num_prompt_tokens = num_prompt_tokens
+        self.created = int(time.time())
+
+    def _head(self, obj: str, choices) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
+                "choices": choices}
+
+    def response(self, out) -> dict:
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason} for c in out.outputs]
+        n = sum(len(c.token_ids) for c in out.outputs)
+        return {**self._head("chat.completion", choices), "usage": usage(self.num_prompt_tokens, n)}
+
+    def _logprobs(self, c, start, end):
+        if not self.body.logprobs:
+            return None
+        k = self.body.top_logprobs or 0
+        return {"content": [chat_token(c.token_ids[i], c.logprobs[i], k) for i in range(start, end)]}
+
+    async def stream(self, handle):
+        streams, generated = {}, {}
+        try:
+            async for latest in handle.updates():
+                for c in latest[0].outputs:
+                    chunk = self._chunk(c, streams, generated)
+                    if chunk:
+                        yield chunk
+            if self.body.include_usage:
+                yield sse({**self._head("chat.completion.chunk", []),
+                           "usage": usage(self.num_prompt_tokens, sum(generated.values()))})
+        except EngineError as e:
+            yield sse(error_body(e.status, str(e)))
+        finally:
+            handle.close()
+        yield SSE_DONE
+
+    def _chunk(self, c, streams, generated) -> str | None:
+        if c.index not in streams:     # OpenAI opens every choice with the role alone
+            streams[c.index] = TextStream(self.ctx, self.params)
+            first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}
+            head = sse(self._head("chat.completion.chunk", [first]))
+        else:
+            head = ""
+        d = streams[c.index].delta(c)
+        if d is None:
+            return head or None
+        text, start, end = d
+        generated[c.index] = end
+        choice = {"index": c.index, "delta": {"content": text} if text or not c.finished else {},
+                  "logprobs": self._logprobs(c, start, end), "finish_reason": c.finish_reason}
+        if c.finished:
+            choice["stop_reason"] = c.stop_reason
+        return head + sse(self._head("chat.completion.chunk", [choice]))
+
+
+def chat_token(tid, entry, k) -> dict:
+    def one(lp):
+        tok = lp.decoded_token or ""
+        return {"token": tok, "logprob": finite(lp.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
+    best = sorted(entry.values(), key=lambda x: -x.logprob)[:k]
+    return {**one(entry[tid]), "top_logprobs": [one(lp) for lp in best]}

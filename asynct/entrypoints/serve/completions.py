@@ -1,0 +1,134 @@
+"""/v1/completions: one engine request per prompt; choice index = prompt index * n + sample.
+`echo` with `logprobs` returns the prompt's logprobs too, which is how lm-eval's
+local-completions scores loglikelihood (max_tokens 1, logprobs 1, echo true)."""
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from asynct.entrypoints.serve.async_engine import EngineError
+from asynct.entrypoints.serve.protocol import CompletionRequest
+from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext, TextStream, collect,
+                                              error_body, finite, request_id, sse, usage)
+
+
+async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
+    ctx.check_model(body.model)
+    try:
+        params = body.to_params()
+        prompts = body.prompts()
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    ids = [ctx.encode(p) for p in prompts]
+    for p in ids:
+        ctx.check_prompt(p, params)
+    texts = [p if isinstance(p, str) else ctx.decode(i, False) for p, i in zip(prompts, ids)]
+    job = Completion(ctx, body, params, request_id("cmpl"), texts, ids)
+    handle = ctx.submit(ids, params, stream=body.stream)
+    if body.stream:
+        return StreamingResponse(job.stream(handle), media_type="text/event-stream")
+    return JSONResponse(job.response(await collect(handle, request)))
+
+
+class Completion:
+    def __init__(self, ctx, body: CompletionRequest, params, rid, texts, ids):
+        self.ctx, self.body, self.params, self.id, self.texts, self.ids = ctx, body, params, rid, texts, ids
+        self.drop_generated = body.echo and body.max_tokens == 0
+        self.created = int(time.time())
+
+    def _head(self, choices) -> dict:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.ctx.model_name, "choices": choices}
+
+    def response(self, finals: dict) -> dict:
+        choices, generated = [], 0
+        for i, out in sorted(finals.items()):
+            for c in out.outputs:
+                n = 0 if self.drop_generated else len(c.token_ids)
+                text = "" if self.drop_generated else c.text
+                plp = (out.prompt_logprobs or [None]) if self.body.echo else None
+                choice = self._choice(i, c, text, 0, n, plp)
+                choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
+                choices.append(choice)
+                generated += n
+        return {**self._head(choices), "usage": usage(sum(map(len, self.ids)), generated)}
+
+    def _choice(self, i, c, text, start, end, plp, sent_text="") -> dict:
+        """One choice with generated tokens [start, end). `plp` (the prompt's logprobs) is given
+        only to the response or first chunk of an echo request: the prompt goes in front."""
+        echo = self.body.echo and plp is not None
+        choice = {"index": i * self.body.n + c.index, "text": (self.texts[i] if echo else "") + text,
+                  "logprobs": None, "finish_reason": None}
+        if self.body.logprobs is not None:
+            rows = self._prompt_rows(i, plp) if echo else []
+            rows += [token_row(c.token_ids[k], c.logprobs[k]) for k in range(start, end)]
+            # offsets into prompt + completion, as OpenAI's API counted them
+            offset = 0 if echo else len(self.texts[i]) + len(sent_text)
+            choice["logprobs"] = logprobs_block(rows, offset)
+        if self.body.return_token_ids:
+            choice["token_ids"] = c.token_ids[start:end]
+        return choice
+
+    def _prompt_rows(self, i, plp):
+        ids = self.ids[i]
+        first = (self.ctx.decode(ids[:1], False), None, None)
+        return [first] + [token_row(t, e) for t, e in zip(ids[1:], plp[1:])]
+
+    async def stream(self, handle):
+        streams, generated = {}, {}
+        try:
+            async for latest in handle.updates():
+                for i, out in sorted(latest.items()):
+                    for c in out.outputs:
+                        chunk = self._chunk(i, out, c, streams, generated)
+                        if chunk:
+                            yield chunk
+            if self.body.include_usage:
+                yield sse({**self._head([]), "usage": usage(sum(map(len, self.ids)), sum(generated.values()))})
+        except EngineError as e:
+            yield sse(error_body(e.status, str(e)))
+        finally:
+            handle.close()
+        yield SSE_DONE
+
+    def _chunk(self, i, out, c, streams, generated) -> str | None:
+        if not c.token_ids and not c.finished:
+            return None        # still prefilling (the echoed prompt waits for its logprobs)
+        first = (i, c.index) not in streams
+        ts = streams.setdefault((i, c.index), TextStream(self.ctx, self.params))
+        sent = ts.text
+        d = ts.delta(c)
+        if d is None:
+            return None
+        text, start, end = ("", 0, 0) if self.drop_generated else d
+        generated[(i, c.index)] = end
+        plp = (out.prompt_logprobs or [None]) if self.body.echo and first else None
+        choice = self._choice(i, c, text, start, end, plp, sent)
+        choice["finish_reason"] = c.finish_reason
+        if c.finished:
+            choice["stop_reason"] = c.stop_reason
+        return sse(self._head([choice]))
+
+
+def token_row(tid, entry):
+    lp = entry[tid]
+    return lp.decoded_token, finite(lp.logprob), top_dict(entry)
+
+
+def top_dict(entry) -> dict:
+    """token text -> logprob, best first; where two tokens decode alike the better one keeps the
+    key, so max(values) is always the top-1 logprob (lm-eval's is_greedy test relies on it)."""
+    top = {}
+    for lp in sorted(entry.values(), key=lambda x: -x.logprob):
+        top.setdefault(lp.decoded_token, finite(lp.logprob))
+    return top
+
+
+def logprobs_block(rows, offset) -> dict:
+    tokens, offsets = [], []
+    for tok, _, _ in rows:
+        offsets.append(offset)
+        tokens.append(tok)
+        offset += len(tok or "")
+    return {"tokens": tokens, "token_logprobs": [r[1] for r in rows],
+            "top_logprobs": [r[2] for r in rows], "text_offset": offsets}

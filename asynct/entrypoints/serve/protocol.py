@@ -1,0 +1,148 @@
+"""Request bodies of the OpenAI-compatible API and their translation to `SamplingParams`.
+Unknown fields are ignored (clients send vendor extras); known ones that asynct cannot honour
+are refused with a 400 rather than silently dropped."""
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from asynct.engine.sampling_params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+TokenIds = list[StrictInt]
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: TokenIds | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False        # extension: token ids in each choice (benchmarks)
+    user: str | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """Raises ValueError (a 400) for values the engine rejects or cannot honour."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not supported")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        for name, k in (("logprobs", logprobs), ("prompt logprobs", prompt_logprobs)):
+            if k is not None and k > MAX_LOGPROBS:
+                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        return SamplingParams(
+            n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt is empty")
+        return list(p)
+
+    def to_params(self) -> SamplingParams:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of other than n is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo)")
+        # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
+        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+        plp = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(max_tokens, self.logprobs, plp)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")     # tool_calls, name, ...: passed to the template
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            if any(p.type != "text" or p.text is None for p in self.content):
+                raise ValueError("only text content parts are supported")
+            d["content"] = "".join(p.text for p in self.content)
+        return d
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+
+    def to_params(self) -> SamplingParams:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        k = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: TokenIds
+
+
+def _or(value, default):
+    return default if value is None else value

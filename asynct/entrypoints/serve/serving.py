@@ -1,0 +1,151 @@
+"""What the completion and chat handlers share: the served model, prompt checks, running a request
+to the end while watching for the client to leave, and OpenAI's error bodies and SSE framing."""
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import Request
+
+from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.sampling_params import SamplingParams
+from asynct.entrypoints.serve.async_engine import AsyncEngine, EngineError, QueueFull, RequestHandle
+
+
+class ApiError(Exception):
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.code, self.param)
+
+
+def error_body(status: int, message: str, code=None, param=None) -> dict:
+    kind = ApiError.TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
+
+
+class ServingContext:
+    def __init__(self, engine: AsyncEngine, model_dir: str, served_model_name: str | None):
+        self.engine = engine
+        self.model_name = served_model_name or model_dir
+        self.aliases = {self.model_name, model_dir}
+        # the handlers' own tokenizer: the engine thread's one is never touched from the loop
+        self.detok = Detokenizer.from_path(engine.engine.args.tokenizer or model_dir)
+        self.tokenizer = self.detok.tokenizer if self.detok else None
+        self.max_model_len = engine.engine.max_model_len
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None):
+        if model is not None and model not in self.aliases:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", code="model_not_found", param="model")
+
+    def need_tokenizer(self, what: str):
+        if self.tokenizer is None:
+            raise ApiError(400, f"this model has no tokenizer, so {what} is not possible: "
+                                "send prompts as token ids")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            self.need_tokenizer("a text prompt")
+            return self.detok.encode(prompt)
+        return list(prompt)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams):
+        """The engine's own checks, here so that a bad prompt is a 400 before anything queues."""
+        try:
+            self.engine.engine.check_prompt(ids, params)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return self.detok.decode(ids, skip_special_tokens) if self.detok else ""
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> RequestHandle:
+        try:
+            return self.engine.submit(prompts, params, stream)
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full") from None
+
+
+def request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def collect(handle: RequestHandle, request: Request) -> dict:
+    """The final output per prompt; aborts if the client leaves first."""
+    final = {}
+
+    async def run():
+        async for latest in handle.updates():
+            final.update(latest)
+
+    task, gone = asyncio.ensure_future(run()), asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise ApiError(499, "client disconnected")
+        task.result()
+    except EngineError as e:
+        raise ApiError(e.status, str(e)) from None
+    finally:
+        for t in (task, gone):
+            t.cancel()
+        handle.close()
+    return final
+
+
+async def _disconnected(request: Request):
+    # once the body is read, the next ASGI message is the disconnect
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def finite(x: float) -> float:
+    # JSON has no -inf; OpenAI reports impossible tokens as -9999
+    return x if x > -9999.0 else -9999.0
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class TextStream:
+    """Per choice: what was already sent, so each chunk carries only the new text and tokens.
+    While running, the last len(longest stop) - 1 characters wait: they may turn out to start a
+    stop string, which must never reach the client. At the end the whole output is decoded once
+    more: incremental decoding holds back the bytes of an unfinished character."""
+
+    def __init__(self, ctx: ServingContext, params):
+        self.ctx, self.skip = ctx, params.skip_special_tokens
+        self.hold = max((len(s) for s in params.stop_list), default=1) - 1
+        self.text, self.num_tokens = "", 0
+
+    def delta(self, out) -> tuple[str, int, int] | None:
+        """(new text, first new token, end) or None when nothing new is there to send."""
+        text = out.text
+        if out.finished and not isinstance(out.stop_reason, str):
+            full = self.ctx.decode(out.token_ids, self.skip)
+            if full.startswith(self.text):
+                text = full
+        elif not out.finished and self.hold:
+            text = text[:max(len(self.text), len(text) - self.hold)]
+        start, end = self.num_tokens, len(out.token_ids)
+        if end == start and not out.finished and len(text) == len(self.text):
+            return None
+        new = text[len(self.text):] if text.startswith(self.text) else ""
+        self.text, self.num_tokens = self.text + new, end
+        return new, start, end

@@ -1,0 +1,221 @@
+"""`asynct serve` against the real `openai` client on a live loopback server (tiny checkpoint):
+greedy output equals `LLM.generate`, streaming, chat, echo logprobs, tokenizer routes, and every
+kind of bad input answered with an OpenAI-style error, each followed by a good request."""
+import json
+import math
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from asynct import LLM, SamplingParams
+from asynct.entrypoints.serve.api_server import make_app
+from asynct.entrypoints.serve.launch import ServerThread
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+GREEDY = SamplingParams(temperature=0, max_tokens=16)
+PROMPTS = ["Hello world", "The quick brown fox", "1 + 1 ="]
+
+
+@pytest.fixture(scope="module")
+def url(tiny_ckpt):
+    app = make_app(tiny_ckpt, served_model_name="tiny", api_key=KEY, max_body_bytes=64 << 10)
+    with ServerThread(app) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return LLM(tiny_ckpt)
+
+
+def ref(llm, prompt, params=GREEDY):
+    return llm.generate([prompt], params, use_tqdm=False)[0]
+
+
+def post(url, body, path="/v1/completions", **kw):
+    return httpx.post(url + path, json=body, headers=kw.pop("headers", AUTH), timeout=60, **kw)
+
+
+def test_completions_equal_llm_generate(client, llm, tiny_ckpt):
+    r = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for prompt, choice in zip(PROMPTS, r.choices):
+        assert choice.text == ref(llm, prompt).outputs[0].text
+        assert choice.finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == sum(len(p.encode()) for p in PROMPTS)   # byte tokenizer
+    ids = [72, 105, 33, 32, 104]
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0)
+    assert r.choices[0].text == ref(llm, ids).outputs[0].text
+    # n samples with a seed: reproducible, and indexed prompt * n + sample
+    kw = dict(model="tiny", prompt=PROMPTS[:2], max_tokens=8, temperature=1.0, n=2, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert 4 <= a.usage.completion_tokens <= 4 * 8 and a.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+
+
+def test_streaming_equals_llm_generate(client, llm):
+    for prompt in PROMPTS:
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        want = ref(llm, prompt).outputs[0]
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+        assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    # stop strings cut the same place as in the engine
+    # (the random model: outputs of these prompts with printable characters to stop at). A stop
+    # string's first characters are held back while streaming: they must never reach the client.
+    outs = {p: ref(llm, p, SamplingParams(temperature=0, max_tokens=32)).outputs[0].text
+            for p in [*PROMPTS, "abc", "Once upon a time", "x = 1\n", "Hi!"]}
+    cases = [(p, text[k:k + n]) for n in (1, 2) for p, text in outs.items() for k in range(3, len(text) - n)
+             if all(ch.isascii() and ch.isprintable() for ch in text[k:k + n])]
+    assert {len(stop) for _, stop in cases} == {1, 2}
+    for prompt, stop in (cases[0], cases[-1]):
+        params = SamplingParams(temperature=0, max_tokens=32, stop=[stop])
+        for stream in (False, True):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stop=[stop],
+                                          stream=stream)
+            text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+            assert text == ref(llm, prompt, params).outputs[0].text
+
+
+def test_chat(client, llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    tok = llm.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    want = ref(llm, ids).outputs[0]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
+    assert r.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 3 for t in content)
+    assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)   # greedy = top-1
+
+
+def test_echo_logprobs_equal_prompt_logprobs(url, llm):
+    """lm-eval's loglikelihood request: max_tokens 1, logprobs 1, echo: the prompt's logprobs
+    must be the engine's own (what every loglikelihood score is summed from)."""
+    prompts = ["Question: 2 + 3 =\nAnswer: 5", [10, 20, 30, 40, 50, 60], [7, 8, 9]]
+    body = {"model": "tiny", "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    choices = post(url, {**body, "prompt": prompts[0]}).json()["choices"]
+    choices += post(url, {**body, "prompt": prompts[1:]}).json()["choices"]     # token lists, batched
+    assert [c["index"] for c in choices] == [0, 0, 1]
+    for prompt, choice in zip(prompts, choices):
+        want = ref(llm, prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, logprobs=1))
+        lp = choice["logprobs"]
+        n = len(want.prompt_token_ids)
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for i in range(1, n):
+            entry = want.prompt_logprobs[i]
+            assert math.isclose(lp["token_logprobs"][i], entry[want.prompt_token_ids[i]].logprob, abs_tol=1e-4)
+            assert math.isclose(max(lp["top_logprobs"][i].values()), max(e.logprob for e in entry.values()),
+                                abs_tol=1e-4)
+        if isinstance(prompt, str):
+            assert choice["text"] == prompt + want.outputs[0].text
+            assert lp["text_offset"][:3] == [0, 1, 2]
+    # max_tokens 0 scores the prompt alone
+    r = post(url, {**body, "prompt": prompts[0], "max_tokens": 0}).json()
+    assert r["choices"][0]["text"] == prompts[0] and r["usage"]["completion_tokens"] == 0
+    assert len(r["choices"][0]["logprobs"]["tokens"]) == len(prompts[0])
+    # streamed echo: the prompt comes first, once
+    lines = [ln for ln in httpx.post(url + "/v1/completions", json={**body, "prompt": prompts[0], "max_tokens": 4,
+                                     "stream": True}, headers=AUTH).text.splitlines() if ln.startswith("data: {")]
+    texts = [json.loads(ln[6:])["choices"][0]["text"] for ln in lines]
+    assert texts[0].startswith(prompts[0]) and not any(t.startswith(prompts[0]) for t in texts[1:])
+
+
+def test_tokenizer_routes(url, llm):
+    from lm_eval.utils import check_remote_tokenizer_support
+    r = post(url, {"prompt": "héllo"}, "/tokenize").json()
+    assert r["tokens"] == list("héllo".encode()) and r["count"] == 6
+    assert post(url, {"tokens": r["tokens"]}, "/detokenize").json()["prompt"] == "héllo"
+    info = httpx.get(url + "/tokenizer_info", headers=AUTH).json()
+    assert info["eos_token"] == llm.get_tokenizer().eos_token and info["chat_template"]
+    chat = post(url, {"messages": [{"role": "user", "content": "x"}]}, "/tokenize").json()
+    assert chat["count"] > 1
+    assert check_remote_tokenizer_support(url + "/v1/completions", auth_token=KEY)
+
+
+def test_models_health_metrics(url):
+    models = httpx.get(url + "/v1/models", headers=AUTH).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048
+    assert httpx.get(url + "/health").json() == {"status": "ok"}     # open without the key
+    text = httpx.get(url + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free",
+                 "prefix_cache_hit_rate", "generation_tokens_per_second", "generation_tokens_total"):
+        assert f"# TYPE asynct_{name} " in text and f"\nasynct_{name}{{" in text
+
+
+BAD = [  # (why, body or raw bytes, headers, status, words in the message)
+    ("malformed JSON", b'{"model": "tiny", "prompt": "x",', None, 400, "malformed JSON"),
+    ("JSON that is not an object", b"[1, 2]", None, 400, ""),
+    ("missing prompt", {"model": "tiny"}, None, 400, "prompt"),
+    ("wrong type", {"model": "tiny", "prompt": "x", "max_tokens": "many"}, None, 400, "max_tokens"),
+    ("negative temperature", {"model": "tiny", "prompt": "x", "temperature": -1}, None, 400, "temperature"),
+    ("top_p above 1", {"model": "tiny", "prompt": "x", "top_p": 1.5}, None, 400, "top_p"),
+    ("n = 0", {"model": "tiny", "prompt": "x", "n": 0}, None, 400, "n must be"),
+    ("max_tokens = 0", {"model": "tiny", "prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
+    ("too many logprobs", {"model": "tiny", "prompt": "x", "logprobs": 100}, None, 400, "logprobs"),
+    ("unsupported penalty", {"model": "tiny", "prompt": "x", "presence_penalty": 1.0}, None, 400, "presence_penalty"),
+    ("empty prompt", {"model": "tiny", "prompt": ""}, None, 400, "empty"),
+    ("empty prompt list", {"model": "tiny", "prompt": []}, None, 400, "empty"),
+    ("token outside vocab", {"model": "tiny", "prompt": [1, 99999]}, None, 400, "outside the vocabulary"),
+    ("prompt too long", {"model": "tiny", "prompt": "x" * 3000}, None, 400, "at most 2047 prompt tokens"),
+    ("unknown model", {"model": "gpt-5", "prompt": "x"}, None, 404, "does not exist"),
+    ("missing API key", {"model": "tiny", "prompt": "x"}, {}, 401, "API key"),
+    ("wrong API key", {"model": "tiny", "prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "API key"),
+    ("body over the limit", {"model": "tiny", "prompt": "x" * (70 << 10)}, None, 413, "exceeds"),
+]
+
+
+@pytest.mark.parametrize("why,body,headers,status,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_then_good(url, llm, why, body, headers, status, words):
+    h = {**(AUTH if headers is None else headers), "Content-Type": "application/json"}
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + "/v1/completions", content=data, headers=h)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] and "param" in err
+    good = post(url, {"model": "tiny", "prompt": "ok", "max_tokens": 4, "temperature": 0})
+    assert good.status_code == 200 and good.json()["choices"][0]["text"] == ref(llm, "ok", SamplingParams(
+        temperature=0, max_tokens=4)).outputs[0].text
+
+
+def test_more_bad_requests_then_good(url, client):
+    def chunks():        # a chunked body states no length up front: counted as it arrives
+        for _ in range(80):
+            yield b" " * 1024
+    assert httpx.post(url + "/v1/completions", content=chunks(), headers=AUTH).status_code == 413
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    assert post(url, chat, "/v1/chat/completions").status_code == 400
+    assert post(url, {"model": "tiny", "messages": []}, "/v1/chat/completions").status_code == 400
+    assert httpx.get(url + "/v1/nothing", headers=AUTH).json()["error"]["code"] == 404
+    assert httpx.get(url + "/v1/completions", headers=AUTH).status_code == 405
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_chat_without_template_is_a_clear_400(tmp_path, tiny_ckpt):
+    plain = shutil.copytree(tiny_ckpt, tmp_path / "plain")
+    (plain / "chat_template.jinja").unlink()
+    with ServerThread(make_app(plain, served_model_name="plain")) as u:
+        r = post(u, {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+        assert post(u, {"model": "plain", "prompt": "hi", "max_tokens": 2}).status_code == 200

@@ -1,0 +1,206 @@
+"""The server under load: ≥ 200 concurrent streams, a fifth of them leaving early, each of the rest
+getting exactly its text alone (greedy); then nothing running and every KV block free. Also the
+queue limit (429) and the `asynct serve` command itself."""
+import asyncio
+import json
+import random
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from asynct import LLM, SamplingParams
+from asynct.entrypoints.serve.api_server import make_app
+from asynct.entrypoints.serve.launch import ServerProcess, ServerThread
+from asynct.model.checkpoint import make_checkpoint
+
+NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS = 240, 20, 24
+
+
+@pytest.fixture(scope="module")
+def server(tiny_ckpt):
+    # a small KV pool, so that the load also preempts and recomputes
+    app = make_app(tiny_ckpt, served_model_name="tiny", num_kv_blocks=400)
+    with ServerThread(app) as url:
+        yield url
+
+
+def metrics(url) -> dict:
+    return metrics_of(httpx.get(url + "/metrics").text)
+
+
+def metrics_of(text: str) -> dict:
+    return {m[1]: float(m[2]) for m in re.finditer(r"^asynct_(\w+)\{[^}]*\} (\S+)$", text, re.M)}
+
+
+def wait_idle(url, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(url)
+        idle = m["num_requests_running"] == m["num_requests_waiting"] == m["num_requests_in_flight"] == 0
+        if (idle and m["kv_blocks_free"] == m["kv_blocks_total"]) or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+async def stream_one(client, url, prompt, max_tokens, leave_after=None):
+    """Streams one completion; with `leave_after`, hangs up after that many chunks."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": leave_after is not None}      # those that leave must still be running then
+    text, chunks, done, finish = "", 0, False, None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                break
+            choice = json.loads(line[6:])["choices"][0]
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+            chunks += 1
+            if leave_after is not None and chunks >= leave_after:
+                return None
+    assert done and finish in ("length", "stop")
+    return text
+
+
+async def run_load(url, prompts, plan):
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=300) as client:
+        return await asyncio.gather(*(stream_one(client, url, prompts[p], MAX_TOKENS if leave is None else 400,
+                                                 leave) for p, leave in plan))
+
+
+def test_load_with_disconnects(server, tiny_ckpt):
+    rng = random.Random(0)
+    alphabet = "abcdefghijklmnopqrstuvwxyz ,.ABCDEFGHIJ0123456789é€"
+    prompts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(3, 80))) for _ in range(NUM_PROMPTS)]
+    llm = LLM(tiny_ckpt)
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].text for p in prompts]
+    leaving = set(rng.sample(range(NUM_REQUESTS), NUM_REQUESTS // 5))
+    plan = [(i % NUM_PROMPTS, rng.randint(1, 4) if i in leaving else None) for i in range(NUM_REQUESTS)]
+    before = metrics(server)
+    t0 = time.perf_counter()
+    texts = asyncio.run(run_load(server, prompts, plan))
+    elapsed = time.perf_counter() - t0
+    mismatched = [i for i, ((p, leave), t) in enumerate(zip(plan, texts)) if leave is None and t != alone[p]]
+    after = wait_idle(server)
+    print(f"\n{NUM_REQUESTS} streams in {elapsed:.1f} s, {len(leaving)} left early, {len(mismatched)} mismatched, "
+          f"preemptions {after['num_preemptions_total'] - before['num_preemptions_total']:.0f}, "
+          f"blocks free {after['kv_blocks_free']:.0f}/{after['kv_blocks_total']:.0f}")
+    assert not mismatched, [(texts[i], alone[plan[i][0]]) for i in mismatched[:3]]
+    assert after["num_requests_running"] == after["num_requests_waiting"] == after["num_requests_in_flight"] == 0
+    assert after["kv_blocks_free"] == after["kv_blocks_total"]
+    assert after["requests_aborted_total"] - before["requests_aborted_total"] == len(leaving)
+
+
+def test_disconnect_frees_blocks_at_once(server):
+    """A stream that would run for thousands of steps: hanging up must abort it right away."""
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await stream_one(client, server, "a long one " * 20, 1800, leave_after=2)
+    before = metrics(server)
+    t0 = time.perf_counter()
+    asyncio.run(go())
+    after = wait_idle(server, timeout=3.0)
+    assert time.perf_counter() - t0 < 3.0
+    assert after["kv_blocks_free"] == after["kv_blocks_total"] and after["num_requests_running"] == 0
+    assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 400
+
+
+def test_non_streaming_disconnect_aborts(server):
+    """A client that times out on a plain (non-streaming) request also frees its request."""
+    before = metrics(server)
+    body = {"model": "tiny", "prompt": "wait for me", "max_tokens": 1800, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", json=body, timeout=0.5)
+    after = wait_idle(server, timeout=3.0)
+    assert after["kv_blocks_free"] == after["kv_blocks_total"] and after["num_requests_in_flight"] == 0
+    assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+
+
+def test_queue_limit_429(tiny_ckpt):
+    """One sequence at a time and one queued: a third request gets 429; below the limit all finish."""
+    app = make_app(tiny_ckpt, served_model_name="tiny", max_num_seqs=1, max_queued_requests=1)
+    body = {"model": "tiny", "prompt": "hold the line", "temperature": 0, "max_tokens": 4}
+
+    async def until(client, url, key, value):
+        while metrics_of((await client.get(url + "/metrics")).text)[key] < value:
+            await asyncio.sleep(0.01)
+
+    async def go(url):
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", url + "/v1/completions",
+                                     json={**body, "max_tokens": 1800, "stream": True, "ignore_eos": True}) as long:
+                lines = long.aiter_lines()     # kept: a dropped iterator closes the response
+                await anext(lines)             # running now, and it holds the only slot
+                await until(client, url, "num_requests_running", 1)
+                queued = asyncio.create_task(client.post(url + "/v1/completions", json=body))
+                await until(client, url, "num_requests_in_flight", 2)
+                refused = await client.post(url + "/v1/completions", json=body)
+                assert refused.status_code == 429, refused.text
+                assert refused.json()["error"]["type"] == "rate_limit_error"
+            # hanging up on the long one lets the queued one run
+            assert (await queued).status_code == 200
+            ok = await client.post(url + "/v1/completions", json=body)
+            assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+
+    with ServerThread(app) as url:
+        asyncio.run(go(url))
+        m = wait_idle(url)
+        assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["requests_aborted_total"] == 1
+
+
+def test_cli_serves_a_checkpoint_without_tokenizer(tmp_path):
+    """`asynct serve` as users run it, on a checkpoint with no tokenizer: token-id prompts work,
+    text prompts and chat get a clear 400."""
+    ckpt = make_checkpoint("tiny", tmp_path / "notok", seed=2, tokenizer=False)
+    server = ServerProcess(ckpt, "--served-model-name", "m", "--api-key", "secret", timeout=120)
+    with server as url:
+        auth = {"Authorization": "Bearer secret"}
+        models = httpx.get(url + "/v1/models", headers=auth).json()
+        assert models["data"][0]["id"] == "m"
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "return_token_ids": True}
+        r = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        ref = LLM(ckpt).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+        assert choice["token_ids"] == ref.outputs[0].token_ids
+        for path, bad in (("/v1/completions", {"model": "m", "prompt": "text"}),
+                          ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})):
+            r = httpx.post(url + path, json=bad, headers=auth)
+            assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        assert httpx.get(url + "/health").status_code == 200
+    # SIGTERM ends it by itself (uvicorn re-raises the signal after shutting down), no SIGKILL needed
+    assert server.proc.returncode in (0, -signal.SIGTERM)
+
+
+def test_engine_failure_fails_requests_not_the_server(tiny_ckpt):
+    """A step that raises (a bug, not bad input) answers the requests it held with a 500 and
+    frees their blocks; the next request is served."""
+    app = make_app(tiny_ckpt, served_model_name="tiny")
+    engine = app.state.ctx.engine.engine
+    step, calls = engine.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return step()
+
+    engine.step = flaky_step
+    body = {"model": "tiny", "prompt": "boom", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with ServerThread(app) as url:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+        lines = httpx.post(url + "/v1/completions", json={**body, "stream": True}, timeout=30).text.splitlines()
+        assert lines[-2] == "data: [DONE]" and json.loads(lines[-4][6:])["choices"][0]["finish_reason"] == "length"
+        m = wait_idle(url)
+        assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["num_requests_in_flight"] == 0
