@@ -19,6 +19,8 @@ for s in $stages; do
            grep -q " passed" $OUT/smoke.log && ! grep -q "failed" $OUT/smoke.log || exit 1 ;;
     bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --gpu-memory-utilization 0.45 \
              --plot $OUT/bench.png --json-out $OUT/bench.json 2>&1 | grep -v "^{" | tee $OUT/bench.log ;;
+    engine) timeout 200 python3 -m asynct.entrypoints.cli bench --model $M --json-out $OUT/engine.json 2>&1 \
+             | grep -v "^{" | tee $OUT/engine.log ;;
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;
     serve) [ -f benchmarks/serve_load.py ] && timeout 150 python3 benchmarks/serve_load.py --model $M 2>&1 | tee $OUT/serve.log ;;
