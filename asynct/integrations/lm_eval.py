@@ -1,0 +1,199 @@
+"""lm-evaluation-harness backend `asynct`, shaped like lm-eval's vLLM backend.
+
+Every request type hands its whole workload to the engine in one `generate` call, so continuous
+batching and prefix caching see all of it at once (lm-eval's `batch_size` is accepted and
+ignored):
+
+- `generate_until`: one request per context with its own stop strings and sampling params;
+- `loglikelihood`: prompt logprobs of context + continuation from a single prefill (max_tokens=1,
+  the sampled token is thrown away), summed over the continuation, with `is_greedy` from ranks;
+- `loglikelihood_rolling`: lm-eval's rolling windows, each scored like a loglikelihood request.
+
+Tokenisation matches lm-eval's `hf` backend (`tok_encode`, `_encode_pair`, BOS as the prefix of
+an empty context) so both backends score exactly the same token sequences.
+"""
+from lm_eval import models as _builtin_models  # noqa: F401  (must load before register_model,
+# or the registry holds only our model and `--model hf` disappears)
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
+                                  postprocess_generated_text)
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from asynct.engine.sampling_params import SamplingParams
+
+# lm-eval gen_kwargs that SamplingParams takes under the same name
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
+
+
+@register_model("asynct")
+class AsyncTLM(TemplateLM):
+    _DEFAULT_MAX_GEN_TOKS = 256
+
+    def __init__(self, pretrained: str, batch_size=None, max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
+                 max_length: int | None = None, prefix_token_id: int | None = None, **engine_kwargs):
+        super().__init__()
+        from asynct import LLM
+        self.llm = LLM(str(pretrained), **_engine_args(engine_kwargs))
+        self.tokenizer = self.llm.get_tokenizer()
+        if self.tokenizer is None:
+            raise ValueError(f"{pretrained} has no tokenizer files; lm-eval needs text in and out")
+        self._max_gen_toks = int(max_gen_toks)
+        # 2 short of the engine's context: a scored window of max_length + 1 tokens (as lm-eval's hf
+        # backend scores) plus the one token the engine must sample still fit
+        self._max_length = int(max_length) if max_length else self.llm.llm_engine.max_model_len - 2
+        self._prefix_token_id = prefix_token_id
+        self.batch_size = batch_size  # lm-eval reads it; the engine batches by itself
+
+    # ---- what lm-eval asks of a model ---------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self._prefix_token_id is not None:
+            return self._prefix_token_id
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        # as lm-eval's hf backend: a string that already starts with BOS gets no second one
+        bos = self.tokenizer.bos_token
+        if add_special_tokens is None:
+            add_special_tokens = not (bos and string.startswith(bos))
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
+
+    # ---- generate_until -----------------------------------------------------------------------
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos = self.tokenizer.decode([self.eot_token_id], skip_special_tokens=False)
+        prompts, params, untils = [], [], []
+        for context, gen_kwargs in (r.args for r in requests):
+            sp, until, max_gen = self._sampling_params(gen_kwargs, eos)
+            ids = self.tok_encode(context)
+            # as lm-eval's backends: keep the prompt's tail when prompt + generation overflows
+            ids = ids[-(self.max_length - max_gen):] if len(ids) + max_gen > self.max_length else ids
+            prompts.append({"prompt_token_ids": ids})
+            params.append(sp)
+            untils.append(until)
+        outs = self._generate(prompts, params, disable_tqdm)
+        res = []
+        for r, out, until in zip(requests, outs, untils):
+            text = postprocess_generated_text(out.outputs[0].text, until, None)
+            self.cache_hook.add_partial("generate_until", r.args, text)
+            res.append(text)
+        return res
+
+    def _sampling_params(self, gen_kwargs: dict, eos: str):
+        kw = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks=self.max_gen_toks)
+        until = handle_stop_sequences(kw.pop("until", None), eos=eos)
+        max_gen = int(kw.pop("max_gen_toks"))
+        extra = {k: kw[k] for k in _SAMPLING_KEYS if kw.get(k) is not None}
+        if not kw.get("do_sample"):
+            extra["temperature"] = 0.0
+        if extra.get("top_k") == -1:
+            extra["top_k"] = 0
+        return SamplingParams(max_tokens=max_gen, stop=until, **extra), until, max_gen
+
+    # ---- loglikelihood ------------------------------------------------------------------------
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """requests: ((context, continuation) or None, context_ids, continuation_ids)."""
+        keep = self.max_length + 1   # as the hf backend: max_length predictions after 1 context token
+        inputs, ctxlens = [], []
+        for _, ctx, cont in requests:
+            whole = (ctx + cont)[-keep:]
+            inputs.append(whole)
+            ctxlens.append(len(whole) - len(cont))
+        # prompt_logprobs=0: just the scored token's logprob and rank, no top-k lists
+        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+        outs = self._generate([{"prompt_token_ids": ids} for ids in inputs], sp, disable_tqdm)
+        res = []
+        for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
+            answer = _continuation_logprob(ids, out.prompt_logprobs, n_ctx)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            res.append(answer)
+        return res
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for i, (text,) in enumerate(r.args for r in requests):
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(i)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, scores):
+            totals[i] += lp
+        for r, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
+        return totals
+
+    # ---- the engine -------------------------------------------------------------------------
+    def _generate(self, prompts, params, disable_tqdm):
+        if not prompts:
+            return []
+        outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        failed = [o.error for o in outs if o.error]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(outs)} engine requests failed; first: {failed[0]}")
+        return outs
+
+
+def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
+    """Sum of the continuation tokens' logprobs; greedy when each was the top-ranked token."""
+    total, greedy = 0.0, True
+    for tok, entry in zip(ids[n_ctx:], prompt_logprobs[n_ctx:]):
+        lp = entry[tok]
+        total += lp.logprob
+        greedy = greedy and lp.rank == 1
+    return total, greedy
+
+
+def _engine_args(kw: dict) -> dict:
+    """model_args arrive as strings from the command line ("max_num_seqs=64"): coerce them to
+    the engine's field types, and drop lm-eval's own knobs that mean nothing here."""
+    from dataclasses import fields
+
+    from asynct.engine.llm_engine import EngineArgs
+    types = {f.name: f.default for f in fields(EngineArgs)}
+    out = {}
+    for k, v in kw.items():
+        if k in ("device", "dtype") and v in (None, "", "auto"):
+            out[k] = None if k == "device" else "auto"
+        elif k in types and k != "model":
+            out[k] = _coerce(v, types[k])
+        elif k not in ("trust_remote_code", "parallelize", "max_batch_size"):
+            raise TypeError(f"unknown asynct model_args option {k!r}; engine options: {sorted(types)}")
+    return out
+
+
+def _coerce(v, default):
+    if not isinstance(v, str):
+        return v
+    if isinstance(default, bool):
+        return v.lower() in ("1", "true", "yes")
+    if isinstance(default, int) or (default is None and v.isdigit()):
+        return int(v)
+    if isinstance(default, float):
+        return float(v)
+    return None if v.lower() == "none" else v

@@ -1,0 +1,128 @@
+"""Evaluation speed: `asynct eval` next to `lm_eval --model hf` on the same gsm8k-shaped task.
+
+The task is the shipped `tiny_gsm_bench`: 1,319 problems (gsm8k test's size), one shared 5-shot
+prefix, greedy, max_gen_toks 256. The model is a random-weight preset with the byte tokenizer:
+random weights rarely emit a stop string, so nearly every request decodes all 256 tokens, the
+worst case of gsm8k's workload. Each backend runs as its own process (start-up, model load and
+CUDA graph capture count, as a user would see them), timed by wall clock.
+
+    PYTHONPATH=. python3 benchmarks/eval_bench.py                          # GPU: bench-0.6b
+    PYTHONPATH=. python3 benchmarks/eval_bench.py --preset tiny --limit 4  # CPU smoke test
+    ... --hf-limit 200   # time hf on the first 200 problems only and extrapolate (marked "~")
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASK = "tiny_gsm_bench"
+N_DOCS = 1319
+
+HF_SNIPPET = """
+import sys, json, asynct, lm_eval
+from asynct.integrations.lm_eval_cli import task_manager
+model_dir, limit, batch, device, dtype, out = sys.argv[1:7]
+r = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype={dtype}", tasks=["%s"],
+                            limit=int(limit) if limit != "None" else None, batch_size=int(batch),
+                            device=device, task_manager=task_manager())
+json.dump(r["results"], open(out, "w"), default=str)
+""" % TASK
+
+
+def make_model(preset: str, out: Path) -> Path:
+    from asynct.model.checkpoint import make_checkpoint
+    if not (out / "config.json").exists():
+        make_checkpoint(preset, out, seed=0, tokenizer=True)  # byte tokenizer: no hub needed
+    return out
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, int, str]:
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    secs = time.perf_counter() - t0
+    tail = (p.stdout + p.stderr)[-3000:]
+    if p.returncode:
+        print(f"FAILED ({p.returncode}): {' '.join(cmd)}\n{tail}", file=sys.stderr)
+    return secs, p.returncode, tail
+
+
+def exact_match(results_file: Path) -> float | None:
+    try:
+        res = json.loads(results_file.read_text())
+        res = res.get("results", res)[TASK]
+        return float(res["exact_match,strict-match"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def run_asynct(model, limit, work, env, extra):
+    out = work / "asynct"
+    cmd = [sys.executable, "-m", "asynct.entrypoints.cli", "eval", "--model", str(model), "--tasks", TASK,
+           "--output_path", str(out)] + (["--limit", str(limit)] if limit else []) + extra
+    secs, rc, tail = timed(cmd, env)
+    return secs, rc, exact_match(out / "results.json"), tail
+
+
+def run_hf(model, limit, work, env, args):
+    out = work / "hf.json"
+    cmd = [sys.executable, "-c", HF_SNIPPET, str(model), str(limit), str(args.hf_batch_size),
+           args.device, args.hf_dtype, str(out)]
+    secs, rc, tail = timed(cmd, env)
+    return secs, rc, exact_match(out), tail
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="bench-0.6b")
+    ap.add_argument("--model", type=Path, default=None, help="an existing checkpoint instead of a preset")
+    ap.add_argument("--limit", type=int, default=None, help="problems for both backends (default: all 1,319)")
+    ap.add_argument("--hf-limit", type=int, default=None, help="problems for hf only; its time is extrapolated")
+    ap.add_argument("--hf-batch-size", type=int, default=64)
+    ap.add_argument("--hf-dtype", default="auto")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--asynct-args", default="", help="extra `asynct eval` options, e.g. '--max-num-seqs 512'")
+    args = ap.parse_args(argv)
+    import torch
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    work = args.work or Path(tempfile.mkdtemp(prefix="eval_bench_"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    model = args.model or make_model(args.preset, work / args.preset)
+    n = min(args.limit or N_DOCS, N_DOCS)
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"model {model} ({args.preset if not args.model else 'given'}), {n} problems, 5-shot, "
+          f"max_gen_toks 256, {gpu}", flush=True)
+
+    rows = []
+    secs, rc, em, tail = run_asynct(model, args.limit, work, env, args.asynct_args.split())
+    print(next((line for line in tail.splitlines() if line.startswith("asynct (")), ""), flush=True)
+    rows.append(("asynct eval", n, secs, em, rc, False))
+    if not args.skip_hf:
+        hn = min(args.hf_limit or n, n)
+        secs_h, rc_h, em_h, _ = run_hf(model, hn, work, env, args)
+        rows.append(("lm_eval --model hf", n, secs_h * n / hn, em_h, rc_h, hn < n))
+    print_table(rows)
+    return 0 if all(r[4] == 0 for r in rows) else 1
+
+
+def print_table(rows):
+    print("\n| backend | problems | wall s | problems/s | exact_match | vs hf |")
+    print("|---|---:|---:|---:|---:|---:|")
+    hf = next((r for r in rows if "hf" in r[0] and r[4] == 0), None)
+    for name, n, secs, em, rc, extrapolated in rows:
+        mark = "~" if extrapolated else ""
+        ratio = f"{hf[2] / secs:.1f}x" if hf and rc == 0 else "-"
+        status = "" if rc == 0 else f" (exit {rc})"
+        em_s = f"{em:.4f}" if em is not None else "-"
+        print(f"| {name}{status} | {n} | {mark}{secs:.1f} | {mark}{n / secs:.2f} | {em_s} | {ratio} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
