@@ -11,18 +11,9 @@ import functools
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references still work
-    triton = None
-
-    class tl:  # noqa: N801
-        constexpr = None
-
+from asynct.ops._triton import jit as _jit, tl, triton
 from asynct.ops.paged_ref import asynci_decode_ref
 
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 BLOCK_N = 64
 
 

@@ -8,19 +8,9 @@ zero. A chunk's queries are the last q_len of its sequence's keys, so cached pre
 hits, earlier chunks) are just keys left of the chunk."""
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference still works
-    triton = None
-
-    class tl:  # noqa: N801
-        constexpr = None
-
+from asynct.ops._triton import jit as _jit, tl, triton
 from asynct.ops.asynci_decode import load_kv_rows
 from asynct.ops.paged_ref import asynci_prefill_ref
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
 
 
 @_jit

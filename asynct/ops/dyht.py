@@ -4,16 +4,7 @@ The kernels read 3-D strided views ([tokens, heads, head_dim] narrow views of th
 output) directly: a `.contiguous()` copy costs as much as the op itself."""
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references still work
-    triton = None
-
-    class tl:  # noqa: N801  (lets the kernel signatures below evaluate)
-        constexpr = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+from asynct.ops._triton import jit as _jit, tl, triton
 
 
 def dyht_ref(x, alpha, weight):

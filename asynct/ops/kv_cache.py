@@ -1,16 +1,7 @@
 """Writing this step's K/V into the paged cache [2, num_blocks, block_size, Hkv, D]."""
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference still works
-    triton = None
-
-    class tl:  # noqa: N801
-        constexpr = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+from asynct.ops._triton import jit as _jit, tl, triton
 
 
 def _check(k, v, kv_cache, slot_mapping):

@@ -1,16 +1,7 @@
 """ReGLU: `relu(gate) * up` over the fused gate_up projection, one pass."""
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference still works
-    triton = None
-
-    class tl:  # noqa: N801
-        constexpr = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+from asynct.ops._triton import jit as _jit, tl, triton
 
 
 def reglu_ref(gate_up):

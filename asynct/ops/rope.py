@@ -4,16 +4,7 @@ The fused kernel reads q and k straight from their strided views of the QKV outp
 DyHT per head vector and rotates in fp32: one read and one write per element."""
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the references still work
-    triton = None
-
-    class tl:  # noqa: N801
-        constexpr = None
-
-_jit = triton.jit if triton is not None else (lambda fn: fn)
+from asynct.ops._triton import jit as _jit, tl, triton
 
 
 def rope_cos_sin_cache(head_dim, max_positions, theta=10000.0, device=None):
