@@ -1,4 +1,5 @@
 """`AsyncTConfig`: the checkpoint's config.json, with the spec's defaults, and named presets."""
+import json
 import math
 
 import torch
@@ -59,9 +60,14 @@ class AsyncTConfig(PretrainedConfig):
         # `dyht_shapes` is derived from the tensors at load time; it is not part of config.json.
         d = super().to_dict()
         d.pop("dyht_shapes", None)
-        if d.get("dtype") is not None:
-            d["torch_dtype"] = d["dtype"]  # the spec's (and Megatron converters') name for it
         return d
+
+    def to_json_string(self, use_diff: bool = True) -> str:
+        # config.json also names the dtype `torch_dtype`, the spec's (and converters') field
+        d = json.loads(super().to_json_string(use_diff))
+        if d.get("dtype") is not None:
+            d["torch_dtype"] = d["dtype"]
+        return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
     @property
     def weights_dtype(self) -> torch.dtype:

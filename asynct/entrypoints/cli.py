@@ -2,7 +2,6 @@
 import argparse
 import json
 import sys
-import time
 
 
 def add_engine_args(p: argparse.ArgumentParser):
@@ -97,15 +96,11 @@ def add_optional(sub, name, module):
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    t0 = time.perf_counter()
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"asynct {args.command}: error: {e}", file=sys.stderr)
         return 2
-    finally:
-        if getattr(args, "verbose", False):
-            print(f"({time.perf_counter() - t0:.1f} s)", file=sys.stderr)
     return 0
 
 
