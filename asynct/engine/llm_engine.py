@@ -112,7 +112,7 @@ class LLMEngine:
         self.check_prompt(ids, params)
         req = Request(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, i, ids, params, self.args.block_size, len(self.requests))
+            seq = Sequence(next(self._seq_ids), request_id, i, ids, params, self.args.block_size)
             req.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = req

@@ -12,13 +12,12 @@ class SequenceStatus(Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, block_size: int, arrival: int):
+                 params: SamplingParams, block_size: int):
         self.seq_id, self.request_id, self.index = seq_id, request_id, index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
         self.block_size = block_size
-        self.arrival = arrival
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []   # chained hashes of the full blocks computed so far
@@ -55,10 +54,6 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    @property
-    def num_blocks(self) -> int:
-        return (len(self.token_ids) + self.block_size - 1) // self.block_size
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
