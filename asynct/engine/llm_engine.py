@@ -64,6 +64,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        # plain copies: a transformers config's attribute reads are slow on a per-token path
+        self.vocab_size, self.eos_token_id = self.config.vocab_size, self.config.eos_token_id
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                                   self.max_model_len, args.enforce_eager)
@@ -132,13 +134,13 @@ class LLMEngine:
         """Raises ValueError naming what is wrong with a tokenized prompt."""
         if not ids:
             raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.config.vocab_size})")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
                              f"{self.max_model_len - 1} prompt tokens (max_model_len={self.max_model_len})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.config.vocab_size:
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
             raise ValueError("prompt_logprobs exceeds the vocabulary size")
 
     def abort_request(self, request_id: str):
@@ -199,7 +201,7 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
-            if token == self.config.eos_token_id and not p.ignore_eos:
+            if token == self.eos_token_id and not p.ignore_eos:
                 return "stop"
             if token in p.stop_token_ids:
                 seq.stop_reason = token

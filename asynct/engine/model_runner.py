@@ -24,6 +24,7 @@ class ModelRunner:
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
                  max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.eos_token_id = config.eos_token_id
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.backend = resolve_backend(attention_backend, self.device)()
@@ -123,7 +124,7 @@ class ModelRunner:
         logprobs: list = [None] * len(batch.seqs)
         if samplers:
             seqs = [batch.seqs[i] for i in samplers]
-            sampled = sample(logits[:len(samplers)], seqs, self.config.eos_token_id)
+            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_id)
             entries = self._logprob_entries(logits[:len(samplers)], sampled, seqs)
             for j, (i, t) in enumerate(zip(samplers, sampled.tolist())):
                 tokens[i], logprobs[i] = t, entries[j]
