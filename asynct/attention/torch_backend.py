@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
-                                   AttentionMetadataBuilder, StepInputs, register_backend)
+                                   AttentionMetadataBuilder, StepInputs, block_table_array,
+                                   register_backend)
 from asynct.ops import write_kv_cache
 from asynct.ops.asynci import asynci_attention
 
@@ -50,7 +51,7 @@ def plan_buckets(query_lens, seq_lens):
 class TorchMetadataBuilder(AttentionMetadataBuilder):
     def build(self, step: StepInputs) -> TorchAttentionMetadata:
         common = self.common(step)
-        table = common["block_table"].cpu().long()
+        table = torch.from_numpy(block_table_array(step.block_tables)).long()  # host copy: no device sync
         qsl = torch.tensor(common["query_start_loc_cpu"])
         buckets = tuple(self._bucket(rows, step, table, qsl)
                         for rows in plan_buckets(step.query_lens, step.seq_lens))
