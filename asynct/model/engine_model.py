@@ -74,10 +74,6 @@ class DecoderLayer(nn.Module):
 
 
 class AsyncTEngineModel(nn.Module):
-    # checkpoint tensor -> (parameter, shard index) for the fused projections
-    packed = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
     def __init__(self, config: AsyncTConfig, impl_cls):
         super().__init__()
         self.config = config

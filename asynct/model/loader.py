@@ -7,6 +7,9 @@ from safetensors import safe_open
 from asynct.model.checkpoint import safetensors_files
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+# checkpoint projection -> (the engine's fused parameter, shard index)
+PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 def engine_param_name(name: str) -> tuple[str, int | None]:
@@ -19,9 +22,8 @@ def engine_param_name(name: str) -> tuple[str, int | None]:
     i, rest = m.groups()
     rest = rest.removeprefix("self_attn.").removeprefix("mlp.")
     proj = rest.split(".")[0]
-    if proj in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
-        fused, shard = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}[proj]
+    if proj in PACKED:
+        fused, shard = PACKED[proj]
         return f"layers.{i}.{fused}.weight", shard
     if proj == "input_layernorm":
         return f"input_norms.{i}.{rest.split('.')[1]}", None
