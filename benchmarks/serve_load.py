@@ -1,7 +1,8 @@
 """Load on `asynct serve`: request throughput, output tokens/s, p50/p99 time to first token and
 inter-token latency at each concurrency, then `LLM.generate` on a like-drawn prompt set in the same
 run. `overhead` = offline output tok/s / served output tok/s: what HTTP, SSE and the asyncio bridge
-cost (1.0: nothing; 1.25: the server delivers 80 % of offline throughput). Prints a table last.
+cost (1.0: nothing; 1.25: the server delivers 80 % of offline throughput); `server_cpu` and
+`client_cpu`: cores busy in the server and in the load generator. Prints a table last.
 
     PYTHONPATH=. python3 benchmarks/serve_load.py                        # GPU: bench-0.6b preset
     PYTHONPATH=. python3 benchmarks/serve_load.py --num-prompts 32       # CPU smoke run: tiny preset
@@ -14,6 +15,7 @@ import argparse
 import asyncio
 import gc
 import json
+import multiprocessing as mp
 import os
 import random
 import sys
@@ -24,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
+import aiohttp  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from asynct.entrypoints.cli import add_engine_args, engine_kwargs  # noqa: E402
@@ -41,6 +44,8 @@ def parse_args():
     p.add_argument("--output-len", type=int, default=128 if cuda else 16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-offline", action="store_true")
+    p.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                   help="load-generator processes")
     add_engine_args(p)
     return p.parse_args()
 
@@ -83,17 +88,19 @@ def _engine_defaults():
 
 
 # ---- the HTTP side ---------------------------------------------------------------------------
-async def one_request(client, url, prompt, output_len) -> dict:
+# One Python process cannot parse 30k SSE events/s: the load comes from several client processes,
+# each an asyncio loop with its share of the clients, so the figures measure the server.
+async def one_request(session, url, prompt, output_len) -> dict:
     body = {"model": "bench", "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "return_token_ids": True}
     t0 = time.perf_counter()
     ttft, last, itl, tokens = None, t0, [], 0
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"ok": False, "error": f"HTTP {r.status_code}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: {"):
+        async with session.post(url + "/v1/completions", json=body) as r:
+            if r.status != 200:
+                return {"ok": False, "error": f"HTTP {r.status}"}
+            async for line in r.content:
+                if not line.startswith(b"data: {"):
                     continue
                 k = len(json.loads(line[6:])["choices"][0].get("token_ids") or [])
                 if not k:
@@ -104,25 +111,52 @@ async def one_request(client, url, prompt, output_len) -> dict:
                 else:   # a chunk carries several tokens when the client fell behind: split its gap
                     itl += [(now - last) / k] * k
                 last, tokens = now, tokens + k
-    except httpx.HTTPError as e:
+    except aiohttp.ClientError as e:
         return {"ok": False, "error": repr(e)}
-    end = time.perf_counter()
     tpot = (last - t0 - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
-    return {"ok": tokens == output_len, "ttft": ttft, "itl": itl, "tpot": tpot, "tokens": tokens, "end": end,
+    return {"ok": tokens == output_len, "ttft": ttft, "itl": itl, "tpot": tpot, "tokens": tokens, "end": last,
             "error": None if tokens == output_len else f"{tokens} tokens"}
 
 
-async def run_level(url, prompts, output_len, concurrency) -> dict:
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600)) as client:
+async def client_share(url, prompts, output_len, clients, start_at) -> tuple[list[dict], float]:
+    """`clients` closed-loop clients working through `prompts`, starting at perf_counter `start_at`
+    (CLOCK_MONOTONIC: the same clock in every process)."""
+    sem = asyncio.Semaphore(clients)
+    conn = aiohttp.TCPConnector(limit=clients + 8)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
         async def bounded(p):
             async with sem:
-                return await one_request(client, url, p, output_len)
-        t0 = time.perf_counter()
+                return await one_request(session, url, p, output_len)
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+        cpu0 = time.process_time()
         results = await asyncio.gather(*(bounded(p) for p in prompts))
-        wall = time.perf_counter() - t0
-    return summarize(f"server, {concurrency} clients", results, wall)
+    return results, time.process_time() - cpu0
+
+
+def _client_proc(args):
+    return asyncio.run(client_share(*args))
+
+
+def cpu_seconds(procs) -> float:
+    return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+
+def run_level(url, prompts, output_len, concurrency, procs, server_pid) -> dict:
+    procs = max(1, min(procs, concurrency))
+    shares = [(url, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs))
+              for i in range(procs)]
+    server = psutil.Process(server_pid)
+    server = [server] + server.children(recursive=True)      # the engine process too
+    with mp.get_context("fork").Pool(procs) as pool:
+        start_at = time.perf_counter() + 0.5          # every process connects and waits for this
+        server_cpu0 = cpu_seconds(server)
+        parts = pool.map(_client_proc, [share + (start_at,) for share in shares])
+    results = [r for rs, _ in parts for r in rs]
+    wall = max(r.get("end", start_at) for r in results) - start_at
+    server_cpu = cpu_seconds(server) - server_cpu0
+    row = summarize(f"server, {concurrency} clients", results, wall)
+    row["server_cpu"], row["client_cpu"] = server_cpu / wall, sum(cpu for _, cpu in parts) / wall
+    return row
 
 
 def pct(xs, q):
@@ -149,11 +183,12 @@ def summarize(name, results, wall) -> dict:
 
 def serve_levels(a, model, prompt_sets, levels) -> list[dict]:
     rows = []
-    with ServerProcess(model, "--served-model-name", "bench", *engine_flags(a)) as url:
+    server = ServerProcess(model, "--served-model-name", "bench", *engine_flags(a))
+    with server as url:
         # warm-up on a like-drawn set (graphs, allocator, CPU kernels per shape): both sides get one
-        asyncio.run(run_level(url, prompt_sets[0], a.output_len, max(levels)))
+        run_level(url, prompt_sets[0], a.output_len, max(levels), a.client_procs, server.proc.pid)
         for c, prompts in zip(levels, prompt_sets[1:]):
-            rows.append(asyncio.run(run_level(url, prompts, a.output_len, c)))
+            rows.append(run_level(url, prompts, a.output_len, c, a.client_procs, server.proc.pid))
             print(_row(rows[-1]), flush=True)
     return rows
 
@@ -176,7 +211,7 @@ def offline(a, model, warmup, prompts) -> dict:
 
 
 COLS = ["requests", "failed", "wall_s", "req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-        "itl_p99_ms", "tpot_p50_ms", "overhead"]
+        "itl_p99_ms", "tpot_p50_ms", "server_cpu", "client_cpu", "overhead"]
 
 
 def _fmt(v):

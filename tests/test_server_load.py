@@ -3,6 +3,7 @@ getting exactly its text alone (greedy); then nothing running and every KV block
 queue limit (429) and the `asynct serve` command itself."""
 import asyncio
 import json
+import os
 import random
 import re
 import signal
@@ -12,6 +13,7 @@ import httpx
 import pytest
 
 from asynct import LLM, SamplingParams
+from asynct.engine.llm_engine import LLMEngine
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerProcess, ServerThread
 from asynct.model.checkpoint import make_checkpoint
@@ -182,20 +184,20 @@ def test_cli_serves_a_checkpoint_without_tokenizer(tmp_path):
     assert server.proc.returncode in (0, -signal.SIGTERM)
 
 
+class FlakyEngine(LLMEngine):
+    """Its third step raises; built inside the engine process (so defined at module level)."""
+
+    def step(self):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 3:
+            raise RuntimeError("injected")
+        return super().step()
+
+
 def test_engine_failure_fails_requests_not_the_server(tiny_ckpt):
     """A step that raises (a bug, not bad input) answers the requests it held with a 500 and
     frees their blocks; the next request is served."""
-    app = make_app(tiny_ckpt, served_model_name="tiny")
-    engine = app.state.ctx.engine.engine
-    step, calls = engine.step, []
-
-    def flaky_step():
-        calls.append(1)
-        if len(calls) == 3:
-            raise RuntimeError("injected")
-        return step()
-
-    engine.step = flaky_step
+    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=FlakyEngine)
     body = {"model": "tiny", "prompt": "boom", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with ServerThread(app) as url:
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -204,3 +206,22 @@ def test_engine_failure_fails_requests_not_the_server(tiny_ckpt):
         assert lines[-2] == "data: [DONE]" and json.loads(lines[-4][6:])["choices"][0]["finish_reason"] == "length"
         m = wait_idle(url)
         assert m["kv_blocks_free"] == m["kv_blocks_total"] and m["num_requests_in_flight"] == 0
+
+
+def test_engine_process_death_is_reported(tiny_ckpt):
+    """The engine process killed under a running stream: the stream ends with an error event, and
+    the server stays up answering /health and new requests with 503 and the reason."""
+    app = make_app(tiny_ckpt, served_model_name="tiny")
+    body = {"model": "tiny", "prompt": "doomed", "max_tokens": 1800, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with ServerThread(app) as url:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(app.state.ctx.engine.proc.pid, signal.SIGKILL)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]" and "engine process exited" in rest[-2]
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "engine process exited" in health.json()["error"]["message"]
+        r = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+        assert r.status_code == 503 and "restart the server" in r.json()["error"]["message"]

@@ -131,17 +131,7 @@ class LLMEngine:
         return None, ids
 
     def check_prompt(self, ids, params):
-        """Raises ValueError naming what is wrong with a tokenized prompt."""
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            bad = next(t for t in ids if not 0 <= t < self.vocab_size)
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
-                             f"{self.max_model_len - 1} prompt tokens (max_model_len={self.max_model_len})")
-        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
-            raise ValueError("prompt_logprobs exceeds the vocabulary size")
+        check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str):
         req = self.requests.pop(request_id, None)
@@ -234,6 +224,21 @@ class LLMEngine:
             return seq.text
         return self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens) \
             if seq.is_finished else ""
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
+    """Raises ValueError naming what is wrong with a tokenized prompt (also run by the server's
+    front end, which holds no engine)."""
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
+                         f"{max_model_len - 1} prompt tokens (max_model_len={max_model_len})")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
+        raise ValueError("prompt_logprobs exceeds the vocabulary size")
 
 
 def resolve_dtype(dtype, config, device) -> torch.dtype:

@@ -54,8 +54,8 @@ def add_routes(app: FastAPI, ctx: ServingContext):
 
     @app.get("/health")
     async def health():
-        if ctx.engine.thread is None or not ctx.engine.thread.is_alive():
-            raise ApiError(503, "the engine thread is not running")
+        if not ctx.engine.is_alive:
+            raise ApiError(503, ctx.engine.dead or "the engine process is not running")
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -79,7 +79,7 @@ def add_routes(app: FastAPI, ctx: ServingContext):
     async def detokenize(body: DetokenizeRequest):
         ctx.check_model(body.model)
         ctx.need_tokenizer("/detokenize")
-        vocab = ctx.engine.engine.config.vocab_size
+        vocab = ctx.engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise ApiError(400, f"token ids must be in [0, {vocab})")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
@@ -165,9 +165,11 @@ class Guard:
 
 
 def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,
-             max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, **engine_kwargs) -> FastAPI:
-    """Loads the engine (the slow part) and builds the app; the engine thread starts with the app."""
+             max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
+             **engine_kwargs) -> FastAPI:
+    """Starts the engine process and waits for its model (the slow part), then builds the app.
+    `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it)."""
     from asynct.engine.llm_engine import EngineArgs, LLMEngine
-    engine = LLMEngine(EngineArgs(model=str(model), **engine_kwargs))
-    ctx = ServingContext(AsyncEngine(engine, max_queued_requests), str(model), served_model_name)
+    engine = AsyncEngine(EngineArgs(model=str(model), **engine_kwargs), max_queued_requests, make_engine or LLMEngine)
+    ctx = ServingContext(engine, str(model), served_model_name)
     return build_app(ctx, api_key, max_body_bytes)

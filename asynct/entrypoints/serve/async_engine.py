@@ -1,17 +1,19 @@
-"""The asyncio side of the engine. `LLMEngine` is not thread-safe, so one dedicated thread owns it:
-it drains an inbox of adds and aborts between steps and hands each step's outputs to the event
-loop in one `call_soon_threadsafe`. Handlers only ever touch the inbox and their own queue."""
+"""The front end's handle on the engine process. Handlers only touch `routes` and their own queue,
+on the event loop; a sender thread batches adds and aborts into the core's inbox, and a receiver
+thread hands each message from the core to the loop in one `call_soon_threadsafe`."""
 import asyncio
 import itertools
 import logging
+import multiprocessing as mp
 import queue
 import threading
 import time
 from collections import deque
 
-from asynct.engine.llm_engine import LLMEngine
+from asynct.engine.llm_engine import EngineArgs, LLMEngine, check_prompt
 from asynct.engine.outputs import RequestOutput
 from asynct.engine.sampling_params import SamplingParams
+from asynct.entrypoints.serve.engine_core import apply_delta, run_engine_core
 
 log = logging.getLogger("asynct.serve")
 
@@ -59,64 +61,112 @@ class RequestHandle:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
-        self.engine = engine
-        self.max_queued_requests = max_queued_requests
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.routes: dict[str, tuple[RequestHandle, int]] = {}   # touched on the loop thread only
+    def __init__(self, args: EngineArgs, max_queued_requests: int | None = None, make_engine=LLMEngine):
+        """Starts the engine process and waits until it has loaded the model; raises ValueError
+        with the engine's own message when it cannot (a bad checkpoint or option, mostly)."""
+        self.args, self.max_queued_requests = args, max_queued_requests
+        ctx = mp.get_context("spawn")        # CUDA cannot live through a fork
+        core_inbox, self.inbox = ctx.Pipe(duplex=False)
+        self.outbox, core_outbox = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=run_engine_core, args=(args, make_engine, core_inbox, core_outbox),
+                                name="asynct-engine-core", daemon=True)
+        self.proc.start()
+        core_inbox.close()
+        core_outbox.close()              # so that the core's exit reads as EOF here
+        info = self._wait_ready()
+        self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+        self.routes: dict[str, tuple[RequestHandle, int, RequestOutput]] = {}   # loop thread only
+        self.sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread: threading.Thread | None = None
+        self.threads: list[threading.Thread] = []
         self.ids = itertools.count()
-        self.num_aborted = 0
+        self.num_aborted, self.dead = 0, None
         self.rate_samples: deque = deque(maxlen=256)   # (time, generation tokens) for tokens/s
-        self.snapshot = self._snapshot()
+        self.snapshot = {"running": 0, "waiting": 0, "blocks_total": 0, "blocks_free": 0, "preemptions": 0,
+                         "prefix_cache_hit_rate": 0.0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
-    # ---- loop side -----------------------------------------------------------------------
+    def _wait_ready(self) -> dict:
+        while not self.outbox.poll(0.2):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the engine process exited with code {self.proc.exitcode} while loading")
+        kind, info = self.outbox.recv()
+        if kind == "failed":
+            self.proc.join(timeout=10)
+            raise ValueError(f"the engine could not start: {info}")
+        return info
+
+    # ---- lifetime ----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.thread = threading.Thread(target=self._run, name="asynct-engine", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=fn, name=name, daemon=True)
+                        for fn, name in ((self._send_loop, "asynct-send"), (self._receive_loop, "asynct-receive"))]
+        for t in self.threads:
+            t.start()
 
     def stop(self):
-        self._fail_routes("the server is shutting down", 503)
-        self.inbox.put(("stop",))
-        if self.thread:
-            self.thread.join(timeout=30)
+        self.dead = self.dead or "the server is shutting down"
+        self._fail(list(self.routes), self.dead, 503)
+        self.sendq.put(("stop",))
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+        for t in self.threads:
+            t.join(timeout=5)
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self.proc.is_alive() and all(t.is_alive() for t in self.threads)
+
+    # ---- loop side ---------------------------------------------------------------------------
+    def check_prompt(self, ids: list[int], params: SamplingParams):
+        check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> RequestHandle:
         """Queues one engine request per prompt; raises QueueFull past the queue limit: requests
         beyond the batch's max_num_seqs count as queued (counted here, not sampled from the engine,
         so the limit is exact)."""
+        if self.dead:
+            raise EngineError(self.dead, 503)
         if self.max_queued_requests is not None:
-            cap = self.engine.args.max_num_seqs + self.max_queued_requests
+            cap = self.args.max_num_seqs + self.max_queued_requests
             if len(self.routes) + len(prompts) > cap:
-                queued = max(0, len(self.routes) - self.engine.args.max_num_seqs)
+                queued = max(0, len(self.routes) - self.args.max_num_seqs)
                 raise QueueFull(f"{queued} requests are queued (limit {self.max_queued_requests}); retry later")
         base = f"req-{next(self.ids)}"
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))])
         for i, (rid, ids) in enumerate(zip(handle.rids, prompts)):
-            self.routes[rid] = (handle, i)
-            self.inbox.put(("add", rid, ids, params, stream))
+            self.routes[rid] = (handle, i, RequestOutput(rid, None, ids, None, [], False))
+            self.sendq.put(("add", (rid, ids, params, stream)))
         return handle
 
     def abort(self, rids: list[str]):
         rids = [rid for rid in rids if self.routes.pop(rid, None) is not None]   # not yet finished
         if rids:
             self.num_aborted += len(rids)
-            self.inbox.put(("abort", rids))
+            self.sendq.put(("abort", rids))
 
     @property
     def num_in_flight(self) -> int:
         return len(self.routes)
 
-    def _dispatch(self, outs: list[RequestOutput]):
-        for out in outs:
-            route = self.routes.get(out.request_id)
+    def _on_message(self, msg):
+        if msg[0] == "outputs":
+            self._dispatch(msg[1])
+        elif msg[0] == "errors":
+            for rid, message, status in msg[1]:
+                self._fail([rid], message, status)
+        self._publish(msg[-1] if msg[0] in ("outputs", "snapshot") else None)
+
+    def _dispatch(self, deltas):
+        for delta in deltas:
+            route = self.routes.get(delta[0])
             if route is None:      # aborted meanwhile
                 continue
+            handle, idx, out = route
+            apply_delta(out, delta)
             if out.finished:
                 del self.routes[out.request_id]
-            route[0].queue.put_nowait((route[1], out))
+            handle.queue.put_nowait((idx, out))
 
     def _fail(self, rids: list[str], message: str, status: int):
         for rid in rids:
@@ -124,83 +174,18 @@ class AsyncEngine:
             if route is not None:
                 route[0].queue.put_nowait((route[1], EngineError(message, status)))
 
-    def _fail_routes(self, message: str, status: int):
-        self._fail(list(self.routes), message, status)
-
-    # ---- engine thread -------------------------------------------------------------------
-    def _post(self, fn, *args):
-        try:
-            self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:      # the loop closed under us: shutting down
-            pass
-
-    def _run(self):
-        engine = self.engine
-        while True:
-            if not self._drain(block=not engine.has_unfinished_requests()):
-                return
-            try:
-                outs = engine.step()
-            except Exception as e:     # a bug, not bad input: fail what runs, keep serving
-                log.exception("engine step failed")
-                self._abort_all(f"engine error: {e}")
-                continue
-            self._publish()
-            if outs:
-                self._post(self._dispatch, outs)
-
-    def _drain(self, block: bool) -> bool:
-        """Applies queued adds/aborts; blocks for the first one when idle. False on stop."""
-        if block:
-            self._publish()
-        try:
-            item = self.inbox.get() if block else self.inbox.get_nowait()
-            while True:
-                if item[0] == "stop":
-                    return False
-                self._apply(item)
-                item = self.inbox.get_nowait()
-        except queue.Empty:
-            return True
-
-    def _apply(self, item):
-        if item[0] == "add":
-            _, rid, ids, params, stream = item
-            try:
-                self.engine.add_request(rid, ids, params, stream=stream)
-            except ValueError as e:
-                self._post(self._fail, [rid], str(e), 400)
-            except Exception as e:      # never let one request take the engine thread down
-                log.exception("adding request %s failed", rid)
-                self._post(self._fail, [rid], f"engine error: {e}", 500)
-        elif item[0] == "abort":
-            for rid in item[1]:
-                self.engine.abort_request(rid)
-
-    def _abort_all(self, message: str):
-        rids = list(self.engine.requests)
-        for rid in rids:
-            try:
-                self.engine.abort_request(rid)
-            except Exception:
-                log.exception("abort of %s failed", rid)
-        self._post(self._fail, rids, message, 500)
-
-    def _publish(self):
-        """Metrics are read from the loop thread: publish an immutable snapshot instead."""
-        self.snapshot = self._snapshot()
-        now, gen = time.monotonic(), self.snapshot["generation_tokens"]
+    def _publish(self, snap: dict | None):
+        if snap is None:
+            return
+        self.snapshot = snap
+        now = time.monotonic()
         if not self.rate_samples or now - self.rate_samples[-1][0] >= 0.25:
-            self.rate_samples.append((now, gen))
+            self.rate_samples.append((now, snap["generation_tokens"]))
 
-    def _snapshot(self) -> dict:
-        e = self.engine
-        bm, sched = e.block_manager, e.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting),
-                "blocks_total": bm.num_blocks, "blocks_free": bm.num_free_blocks,
-                "prefix_cache_hit_rate": bm.prefix_cache_hit_rate,
-                "preemptions": sched.num_preemptions, "time": time.monotonic(),
-                **{k: e.stats[k] for k in ("prompt_tokens", "generation_tokens", "steps")}}
+    def _core_died(self):
+        self.dead = f"the engine process exited (code {self.proc.exitcode}); restart the server"
+        log.error(self.dead)
+        self._fail(list(self.routes), self.dead, 500)
 
     def generation_tokens_per_s(self, window: float = 10.0) -> float:
         now, gen = time.monotonic(), self.snapshot["generation_tokens"]
@@ -208,3 +193,40 @@ class AsyncEngine:
         if not recent or now - recent[0][0] < 1e-3:
             return 0.0
         return (gen - recent[0][1]) / (now - recent[0][0])
+
+    # ---- threads -----------------------------------------------------------------------------
+    def _send_loop(self):
+        """Everything queued since the last send goes as one add and one abort message."""
+        while True:
+            items = [self.sendq.get()]
+            while not self.sendq.empty():
+                items.append(self.sendq.get_nowait())
+            adds = [item[1] for item in items if item[0] == "add"]
+            aborts = [rid for item in items if item[0] == "abort" for rid in item[1]]
+            try:
+                if adds:
+                    self.inbox.send(("add", adds))
+                if aborts:
+                    self.inbox.send(("abort", aborts))
+                if any(item[0] == "stop" for item in items):
+                    self.inbox.send(("stop",))
+                    return
+            except (BrokenPipeError, OSError):   # the core is gone; the receiver reports it
+                return
+
+    def _receive_loop(self):
+        while True:
+            try:
+                msg = self.outbox.recv()
+            except (EOFError, OSError):
+                self.proc.join(timeout=5)
+                if self.dead is None:
+                    self._post(self._core_died)
+                return
+            self._post(self._on_message, msg)
+
+    def _post(self, fn, *args):
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:      # the loop closed under us: shutting down
+            pass

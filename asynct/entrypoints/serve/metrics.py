@@ -1,5 +1,4 @@
-"""/metrics in Prometheus' text format, from the engine thread's last published snapshot (the
-engine itself is never read from the event loop)."""
+"""/metrics in Prometheus' text format, from the last snapshot the engine process sent."""
 from asynct.entrypoints.serve.async_engine import AsyncEngine
 
 GAUGES = [

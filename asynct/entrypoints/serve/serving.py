@@ -34,10 +34,10 @@ class ServingContext:
         self.engine = engine
         self.model_name = served_model_name or model_dir
         self.aliases = {self.model_name, model_dir}
-        # the handlers' own tokenizer: the engine thread's one is never touched from the loop
-        self.detok = Detokenizer.from_path(engine.engine.args.tokenizer or model_dir)
+        # the front end's own tokenizer: the engine's lives in the engine process
+        self.detok = Detokenizer.from_path(engine.args.tokenizer or model_dir)
         self.tokenizer = self.detok.tokenizer if self.detok else None
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.created = int(time.time())
 
     def check_model(self, model: str | None):
@@ -59,7 +59,7 @@ class ServingContext:
     def check_prompt(self, ids: list[int], params: SamplingParams):
         """The engine's own checks, here so that a bad prompt is a 400 before anything queues."""
         try:
-            self.engine.engine.check_prompt(ids, params)
+            self.engine.check_prompt(ids, params)
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
 
@@ -71,6 +71,8 @@ class ServingContext:
             return self.engine.submit(prompts, params, stream)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full") from None
+        except EngineError as e:
+            raise ApiError(e.status, str(e)) from None
 
 
 def request_id(prefix: str) -> str:
