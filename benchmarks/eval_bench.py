@@ -47,13 +47,13 @@ def make_model(preset: str, out: Path) -> Path:
 
 
 def timed(cmd: list[str], env: dict) -> tuple[float, int, str]:
+    """Wall seconds, exit code and stdout."""
     t0 = time.perf_counter()
     p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
     secs = time.perf_counter() - t0
-    tail = (p.stdout + p.stderr)[-3000:]
     if p.returncode:
-        print(f"FAILED ({p.returncode}): {' '.join(cmd)}\n{tail}", file=sys.stderr)
-    return secs, p.returncode, tail
+        print(f"FAILED ({p.returncode}): {' '.join(cmd)}\n{(p.stdout + p.stderr)[-3000:]}", file=sys.stderr)
+    return secs, p.returncode, p.stdout
 
 
 def exact_match(results_file: Path) -> float | None:
@@ -110,8 +110,9 @@ def main(argv=None):
           f"max_gen_toks 256, {gpu}", flush=True)
 
     rows = []
-    secs, rc, em, tail = run_asynct(model, args.limit, work, env, args.asynct_args.split())
-    print(next((line for line in tail.splitlines() if line.startswith("asynct (")), ""), flush=True)
+    secs, rc, em, out = run_asynct(model, args.limit, work, env, args.asynct_args.split())
+    line = next((line for line in out.splitlines() if line.startswith("asynct (")), "")
+    print(f"{line}; the process: {secs:.1f} s (interpreter and imports: the difference)", flush=True)
     rows.append(("asynct eval", n, secs, em, rc, False))
     if not args.skip_hf:
         hn = min(args.hf_limit or n, n)

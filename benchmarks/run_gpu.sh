@@ -24,6 +24,6 @@ for s in $stages; do
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;
     serve) [ -f benchmarks/serve_load.py ] && timeout 150 python3 benchmarks/serve_load.py --model $M 2>&1 | tee $OUT/serve.log ;;
-    eval) [ -f benchmarks/eval_bench.py ] && timeout 300 python3 benchmarks/eval_bench.py --model $M --hf-limit 256 2>&1 | tee $OUT/eval.log ;;
+    eval) [ -f benchmarks/eval_bench.py ] && timeout 300 python3 benchmarks/eval_bench.py --hf-limit 256 2>&1 | tee $OUT/eval.log ;;
   esac
 done

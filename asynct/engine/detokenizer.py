@@ -8,6 +8,11 @@ from asynct.engine.sequence import Sequence
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        # the Rust tokenizer itself where transformers' decode would add nothing (no space
+        # clean-up): its wrapper costs twice the decoding, twice per generated token
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        fast = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._decode = backend.decode if fast else self._slow_decode
 
     @classmethod
     def from_path(cls, path) -> "Detokenizer | None":
@@ -22,12 +27,15 @@ class Detokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
     def decode(self, ids, skip_special_tokens=True) -> str:
+        return self._decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _slow_decode(self, ids, skip_special_tokens=True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def annotate(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         for tid, lp in entry.items():
             if lp.decoded_token is None:
-                lp.decoded_token = self.tokenizer.decode([tid])
+                lp.decoded_token = self._decode([tid], skip_special_tokens=False)
         return entry
 
     def step(self, seq: Sequence) -> bool:

@@ -12,6 +12,8 @@ ignored):
 Tokenisation matches lm-eval's `hf` backend (`tok_encode`, `_encode_pair`, BOS as the prefix of
 an empty context) so both backends score exactly the same token sequences.
 """
+import time
+
 from lm_eval import models as _builtin_models  # noqa: F401  (must load before register_model,
 # or the registry holds only our model and `--model hf` disappears)
 from lm_eval.api.model import TemplateLM
@@ -34,7 +36,9 @@ class AsyncTLM(TemplateLM):
                  max_length: int | None = None, prefix_token_id: int | None = None, **engine_kwargs):
         super().__init__()
         from asynct import LLM
+        t0 = time.perf_counter()
         self.llm = LLM(str(pretrained), **_engine_args(engine_kwargs))
+        self.timings = {"load": time.perf_counter() - t0, "engine": 0.0}
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer files; lm-eval needs text in and out")
@@ -152,7 +156,9 @@ class AsyncTLM(TemplateLM):
     def _generate(self, prompts, params, disable_tqdm):
         if not prompts:
             return []
+        t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
+        self.timings["engine"] += time.perf_counter() - t0
         failed = [o.error for o in outs if o.error]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outs)} engine requests failed; first: {failed[0]}")

@@ -7,6 +7,7 @@ lm-eval's ~15k built-in tasks costs seconds and they need the hub for their data
     asynct eval --model models/tiny-gsm --tasks tiny_gsm,tiny_gsm_mc --limit 100
 """
 import argparse
+import functools
 import json
 import os
 import time
@@ -50,6 +51,16 @@ def task_manager(include_path=None, include_defaults=False):
     return TaskManager(include_path=paths, include_defaults=include_defaults)
 
 
+def cache_prompt_templates():
+    """lm-eval 0.4.13 compiles a task's Jinja templates anew for every document it renders
+    (EleutherAI/lm-evaluation-harness#1286): 17k compilations, 7 s of CPU, for gsm8k's 1,319
+    5-shot contexts. A template string always compiles to the same template, so compiling each
+    once changes no prompt."""
+    from lm_eval import utils
+    if not hasattr(utils.env.from_string, "cache_info"):
+        utils.env.from_string = functools.lru_cache(maxsize=1024)(utils.env.from_string)
+
+
 def cmd_eval(a):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub anywhere: local models, local tasks
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -61,6 +72,7 @@ def cmd_eval(a):
 
     from asynct.entrypoints.cli import engine_kwargs
     from asynct.integrations.lm_eval import AsyncTLM
+    cache_prompt_templates()
     t0 = time.perf_counter()
     lm = AsyncTLM(a.model, max_gen_toks=a.max_gen_toks, **engine_kwargs(a))
     limit = a.limit if a.limit is None or a.limit < 1 else int(a.limit)
@@ -72,7 +84,10 @@ def cmd_eval(a):
     seconds = time.perf_counter() - t0
     if a.output_path:
         save(results, a.output_path)
-    print(f"asynct ({a.model}), limit: {limit}, num_fewshot: {a.num_fewshot}, {seconds:.1f} s")
+    load, engine = lm.timings["load"], lm.timings["engine"]
+    print(f"asynct ({a.model}), limit: {limit}, num_fewshot: {a.num_fewshot}, {seconds:.1f} s: "
+          f"engine start {load:.1f} s, generation and scoring {engine:.1f} s, "
+          f"lm-eval's own work {seconds - load - engine:.1f} s")
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
