@@ -66,16 +66,22 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         # plain copies: a transformers config's attribute reads are slow on a per-token path
         self.vocab_size, self.eos_token_id = self.config.vocab_size, self.config.eos_token_id
+        t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                                   self.max_model_len, args.enforce_eager)
+        t1 = time.perf_counter()
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:
             log.warning("KV cache holds %d tokens: max_model_len lowered from %d", num_blocks * args.block_size,
                         self.max_model_len)
             self.max_model_len = num_blocks * args.block_size
         self.runner.max_model_len = self.max_model_len
+        t2 = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
+        # where start-up goes: weights, the memory-profiling prefill (first kernel compiles), graphs
+        self.startup_seconds = {"weights": t1 - t0, "profile": t2 - t1, "kv_cache_and_graphs": time.perf_counter() - t2}
+        log.info("engine ready: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_seconds.items()))
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         admit = args.admission_batch or max(1, args.max_num_seqs // 16)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, admit)

@@ -86,12 +86,16 @@ def cmd_eval(a):
         save(results, a.output_path)
     load, engine = lm.timings["load"], lm.timings["engine"]
     print(f"asynct ({a.model}), limit: {limit}, num_fewshot: {a.num_fewshot}, {seconds:.1f} s: "
-          f"engine start {load:.1f} s, generation and scoring {engine:.1f} s, "
+          f"engine start {load:.1f} s ({_startup(lm)}), generation and scoring {engine:.1f} s, "
           f"lm-eval's own work {seconds - load - engine:.1f} s")
     print(make_table(results))
     if "groups" in results:
         print(make_table(results, "groups"))
     return results
+
+
+def _startup(lm) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in lm.llm.llm_engine.startup_seconds.items())
 
 
 def save(results, output_path):
