@@ -162,6 +162,42 @@ def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     assert err < 1e-5
 
 
+def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=torch.float32,
+                       device="cpu", seed=0, **kw):
+    """Decode over a batch whose rows share their first prefix_blocks blocks (as the prefix
+    cache leaves them), through the cascade path, against the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen)
+    table[:, :prefix_blocks] = table[0, :prefix_blocks]
+    qbuf = torch.randn(len(lens), hq + 2, d, generator=gen).to(dtype).to(device)
+    q = qbuf[:, 1:hq + 1]
+    sigma = (torch.randn(hq, generator=gen) * 1.5).to(device)
+    seq = torch.tensor(lens, dtype=torch.int32, device=device)
+    plen = torch.tensor([prefix_blocks * bs], dtype=torch.int32, device=device)
+    out = torch.full((len(lens), hq, d), float("nan"), dtype=dtype, device=device)
+    asynci_decode_triton(q, cache, table, seq, sigma, 1.0 / d ** 0.5, pool, relu, out, prefix_len=plen, **kw)
+    ref = asynci_decode_ref(q, cache, table, seq, sigma, 1.0 / d ** 0.5, pool, relu,
+                            torch.empty(out.shape, dtype=torch.float32, device=device))
+    assert not out.isnan().any(), "unwritten or NaN output"
+    return rel_err(out, ref)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,lens,prefix_blocks,splits,pre_splits", [
+    (2, 2, 16, 4, 3, True, [9, 13, 10], 2, None, None),       # MHA, prefix 8 of 9..13 keys
+    (4, 2, 32, 16, 4, False, [70, 33, 49], 2, 3, None),       # GQA 2, decode split-K after the prefix
+    (4, 1, 16, 4, 5, True, [130, 67, 66, 80], 16, 2, 1),      # GQA 4, one row's suffix is 2 keys
+    (4, 2, 16, 4, 3, True, [200, 230, 197], 49, None, 3),     # prefix of 196 keys in 3 splits (halos)
+    (4, 4, 16, 16, 1, False, [40, 17], 1, None, 4),           # pool 1, suffix of 1 key, empty splits
+    (8, 2, 16, 4, 2, True, [5, 6, 7], 0, None, 2),            # no prefix at all
+])
+def test_decode_shared_prefix_interpreted(hq, hkv, d, bs, pool, relu, lens, prefix_blocks, splits, pre_splits):
+    """Cascade decode: the pool's halo crosses from the prefix into each suffix, prefix splits
+    carry their own halos, partials of both parts add."""
+    err = shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, device=DEV, splits=splits,
+                             prefix_splits=pre_splits)
+    assert err < 1e-5
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,block_m", [
     (2, 2, 16, 4, 3, True, [5, 1, 20], [0, 9, 13], 16),     # chunks with cached prefixes
     (4, 2, 32, 16, 4, False, [40, 3], [0, 50], 32),
@@ -191,6 +227,15 @@ def test_decode_gpu(hq, hkv, d, bs, pool, relu):
     for fn in _gpu_decode_fns():
         err = decode_case(fn, lens, hq, hkv, d, bs, pool, relu, torch.bfloat16, "cuda")
         assert err < 1e-2, fn.__name__
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 128, 16), (16, 4, 128, 32)])
+@pytest.mark.parametrize("pool,relu", [(3, True), (4, False)])
+def test_decode_shared_prefix_gpu(hq, hkv, d, bs, pool, relu):
+    lens = [700 + 37 * i for i in range(200)] + [705]
+    err = shared_prefix_case(lens, 640 // bs, hq, hkv, d, bs, pool, relu, torch.bfloat16, "cuda")
+    assert err < 1e-2
 
 
 @gpu

@@ -43,17 +43,20 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @_jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
                    sqb, sqh, sbt, sob, soh, sos, HKV, G,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr):
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, S_PRE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_keys = tl.load(seq_ptr + b)
-    # split ranges come from the device-side seq_len: no host sync, any length is right
-    per = tl.cdiv(tl.cdiv(n_keys, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    lo = split * per
+    start = 0
+    if S_PRE > 0:      # keys below the shared prefix's length were done by _prefix_kernel
+        start = tl.minimum(tl.load(plen_ptr), n_keys)
+    # split ranges come from the device-side lengths: no host sync, any length is right
+    per = tl.cdiv(tl.cdiv(n_keys - start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = start + split * per
     hi = tl.minimum(lo + per, n_keys)
 
     g = tl.arange(0, M)
@@ -84,8 +87,60 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, sca
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
+    if S_PRE > 0:
+        if split == 0:     # the shared prefix's partials: AsyncI's partial sums simply add
+            row = (b.to(tl.int64) * HKV * G + head) * S_PRE
+            for s_ in tl.static_range(S_PRE):
+                acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+@_jit
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, scale, sqb, sqh, B, HKV, G,
+                   D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, S_PRE: tl.constexpr):
+    """Keys [0, prefix_len) that every sequence of the batch shares (same blocks): a program
+    takes BLOCK_M query rows of one KV head, from many sequences, so each prefix key is loaded
+    once per row tile instead of once per sequence. Every prefix key precedes every query: no
+    causal mask. Writes its split's partial to pre[b, head, split]."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    n_keys = tl.load(plen_ptr)
+    per = tl.cdiv(tl.cdiv(n_keys, S_PRE), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, n_keys)
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = rows // G
+    head = kvh * G + rows % G
+    rmask = b < B
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64)[:, None] * sqb + head[:, None] * sqh + d[None, :],
+                mask=rmask[:, None], other=0.0)
+    sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
+    n = tl.arange(0, BLOCK_N)
+
+    keys = lo - BLOCK_N + n
+    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
+    k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, HKV, BS, D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        keys = j0 + n
+        kmask = keys < hi
+        k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, HKV, BS, D)
+        v = load_kv_rows(v_ptr, bt_ptr, keys, kmask, kvh, HKV, BS, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+        a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
+        r_prev = r
+    dst = pre_ptr + ((b.to(tl.int64) * HKV * G + head) * S_PRE + split)[:, None] * D + d[None, :]
+    tl.store(dst, acc, mask=rmask[:, None])
 
 
 @_jit
@@ -132,17 +187,30 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
         raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
 
 
+def num_prefix_splits(batch, num_kv_heads, group, prefix_len, sms=132):
+    """Key splits of the shared prefix: about two waves of programs, a tile each at least."""
+    tiles = triton.cdiv(batch * group, PREFIX_BLOCK_M)
+    want = triton.cdiv(2 * sms, tiles * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), 32))
+
+
+PREFIX_BLOCK_M = 64
+
+
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, block_n=BLOCK_N, num_warps=4,
-                         num_stages=2):
+                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_hint=None,
+                         prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2):
+    """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
+    first prefix_len keys; those are then read once per tile of sequences (cascade attention).
+    `prefix_hint`: a host upper bound of it, to size the grid (graph-safe)."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     b, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
     if b == 0:
         return out
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     if splits is None:
         hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
-        sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
         splits = num_splits(b, hkv, hint, sms)
     g = hq // hkv
     if splits == 1:
@@ -151,11 +219,21 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         dst = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
         strides = (hq * splits * d, splits * d, d)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
+    sigma = sigma.float().contiguous()
+    s_pre, pre = 0, dst
+    if prefix_len is not None:
+        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, prefix_hint or block_table.shape[1] * bs, sms)
+        pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
+        _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
+            q, kv_cache[0], kv_cache[1], block_table, prefix_len, sigma, pre, float(scale),
+            q.stride(0), q.stride(1), b, hkv, g, BLOCK_M=PREFIX_BLOCK_M, S_PRE=s_pre, **consts,
+            num_warps=4, num_stages=num_stages)
     _decode_kernel[(b, hkv, splits)](
-        q, kv_cache[0], kv_cache[1], block_table, seq_lens, sigma.float().contiguous(), dst,
-        float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, hkv, g,
-        D=d, BS=bs, M=max(16, triton.next_power_of_2(g)), BLOCK_N=block_n, P=int(pool_size),
-        RELU=bool(relu_pre), PREC=prec, num_warps=num_warps, num_stages=num_stages)
+        q, kv_cache[0], kv_cache[1], block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
+        pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, hkv, g,
+        M=max(16, triton.next_power_of_2(g)), S_PRE=s_pre, **consts,
+        num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits,
                                     S_PAD=triton.next_power_of_2(splits), D=d, num_warps=4)
@@ -163,12 +241,17 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=None):
-    """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it."""
+                  max_seq_len=None, prefix_len=None, prefix_hint=None):
+    """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it.
+    `prefix_len` is a hint (shared leading blocks, see asynci_decode_triton): ignoring it is
+    always correct, so the references and the CUDA kernel do."""
     if not q.is_cuda:
         return asynci_decode_ref(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size,
                                  relu_pre, out)
     from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
     fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
+    if fn is asynci_decode_triton:
+        return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                  max_seq_len=max_seq_len, prefix_len=prefix_len, prefix_hint=prefix_hint)
     return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
               max_seq_len=max_seq_len)
