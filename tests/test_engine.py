@@ -219,3 +219,41 @@ def test_incremental_text_equals_full_decode_at_finish(tiny_ckpt):
                         use_tqdm=False)
     assert [o.outputs[0].text for o in held] == [o.outputs[0].text for o in plain]
     assert any(o.outputs[0].text for o in plain)
+
+
+def test_shared_prefix_len_counts_only_common_blocks():
+    """Cascade attention's trigger: whole blocks every decode row shares, before each one's last
+    key; padding zeros of short rows never count."""
+    from asynct.attention.triton_backend import CASCADE_MIN_DECODES, shared_prefix_len
+    from asynct.attention.base import block_table_array
+    n, bs = CASCADE_MIN_DECODES, 32
+    tables = [[7, 8, 9, 10, 11, 12, 13, 14, 100 + i, 200 + i] for i in range(n)]
+    lens = [300 + i for i in range(n)]
+    assert shared_prefix_len(block_table_array(tables), lens, n, bs) == 8 * bs
+    tables[3][5] = 99                                    # one row leaves the prefix at block 5
+    assert shared_prefix_len(block_table_array(tables), lens, n, bs) == 5 * bs
+    lens[0] = 5 * bs + 1                                 # its last key in block 5: 5 full blocks
+    assert shared_prefix_len(block_table_array(tables), lens, n, bs) == 5 * bs
+    lens[0] = 5 * bs                                     # last key in block 4
+    assert shared_prefix_len(block_table_array(tables), lens, n, bs) == 4 * bs
+    short = [t[:2] for t in tables]                      # zero padding is no shared block
+    assert shared_prefix_len(block_table_array(short + tables), [20] * n + lens, 2 * n, bs) == 0
+    assert shared_prefix_len(block_table_array(tables), lens, n - 1, bs) == 0   # too few rows
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
+    """40 requests sharing a 300-token prefix decode through the cascade path (CUDA graphs and
+    eager); fp32 greedy tokens equal the torch backend's, which has no cascade."""
+    prompts = random_prompts(40, 1, 60, seed=5, prefix=[(7 * i) % 256 for i in range(300)])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for name, kw in (("torch", dict(attention_backend="torch", enforce_eager=True)),
+                     ("triton-graphs", dict(attention_backend="triton")),
+                     ("triton-eager", dict(attention_backend="triton", enforce_eager=True))):
+        llm = LLM(tiny_ckpt, dtype="float32", device="cuda", gpu_memory_utilization=0.3, **kw)
+        llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)   # fills the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs[name] = [o.outputs[0].token_ids for o in outs]
+        del llm
+    assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]

@@ -57,12 +57,12 @@ class AttentionMetadataBuilder(ABC):
         self.block_size = block_size
         self.device = device
 
-    def common(self, step: StepInputs) -> dict:
+    def common(self, step: StepInputs, table: np.ndarray | None = None) -> dict:
         """The fields every backend needs, built with one host-to-device copy each."""
         qsl = [0]
         for n in step.query_lens:
             qsl.append(qsl[-1] + n)
-        table = block_table_array(step.block_tables)
+        table = block_table_array(step.block_tables) if table is None else table
         dev = self.device
         return dict(
             num_decodes=step.num_decodes, num_prefills=len(step.query_lens) - step.num_decodes,
