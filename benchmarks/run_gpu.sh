@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
-# Usage (device tool): bash benchmarks/run_gpu.sh [stages...]   stages: bench profile ablation serve eval
+# Usage (device tool): bash benchmarks/run_gpu.sh [stages...]   stages: smoke bench engine profile ablation cascade serve eval
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -23,6 +23,7 @@ for s in $stages; do
              | grep -v "^{" | tee $OUT/engine.log ;;
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;
+    cascade) timeout 240 python3 benchmarks/cascade_ablation.py --model $M 2>&1 | grep -v "Loading weights" | tee $OUT/cascade.log ;;
     serve) [ -f benchmarks/serve_load.py ] && timeout 150 python3 benchmarks/serve_load.py --model $M 2>&1 | tee $OUT/serve.log ;;
     eval) [ -f benchmarks/eval_bench.py ] && timeout 300 python3 benchmarks/eval_bench.py --hf-limit 256 2>&1 | tee $OUT/eval.log ;;
   esac
