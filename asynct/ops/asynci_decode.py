@@ -88,7 +88,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
     if S_PRE > 0:
-        if split == 0:     # the shared prefix's partials: AsyncI's partial sums simply add
+        if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
             row = (b.to(tl.int64) * HKV * G + head) * S_PRE
             for s_ in tl.static_range(S_PRE):
                 acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
@@ -140,7 +140,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
     dst = pre_ptr + ((b.to(tl.int64) * HKV * G + head) * S_PRE + split)[:, None] * D + d[None, :]
-    tl.store(dst, acc, mask=rmask[:, None])
+    # nothing to store when no prefix is shared: a graph's prefix pass then costs a launch
+    tl.store(dst, acc, mask=rmask[:, None] & (n_keys > 0))
 
 
 @_jit
@@ -195,6 +196,7 @@ def num_prefix_splits(batch, num_kv_heads, group, prefix_len, sms=132):
 
 
 PREFIX_BLOCK_M = 64
+PREFIX_WARPS = 4
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
@@ -228,7 +230,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
             q, kv_cache[0], kv_cache[1], block_table, prefix_len, sigma, pre, float(scale),
             q.stride(0), q.stride(1), b, hkv, g, BLOCK_M=PREFIX_BLOCK_M, S_PRE=s_pre, **consts,
-            num_warps=4, num_stages=num_stages)
+            num_warps=PREFIX_WARPS, num_stages=num_stages)
     _decode_kernel[(b, hkv, splits)](
         q, kv_cache[0], kv_cache[1], block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
         pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, hkv, g,
