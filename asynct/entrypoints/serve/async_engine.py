@@ -82,8 +82,7 @@ class AsyncEngine:
         self.ids = itertools.count()
         self.num_aborted, self.dead = 0, None
         self.rate_samples: deque = deque(maxlen=256)   # (time, generation tokens) for tokens/s
-        self.snapshot = {"running": 0, "waiting": 0, "blocks_total": 0, "blocks_free": 0, "preemptions": 0,
-                         "prefix_cache_hit_rate": 0.0, "prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        self.snapshot = info["snapshot"]
 
     def _wait_ready(self) -> dict:
         while not self.outbox.poll(0.2):
@@ -152,10 +151,12 @@ class AsyncEngine:
     def _on_message(self, msg):
         if msg[0] == "outputs":
             self._dispatch(msg[1])
+            self._publish(msg[2])
+        elif msg[0] == "snapshot":
+            self._publish(msg[1])
         elif msg[0] == "errors":
             for rid, message, status in msg[1]:
                 self._fail([rid], message, status)
-        self._publish(msg[-1] if msg[0] in ("outputs", "snapshot") else None)
 
     def _dispatch(self, deltas):
         for delta in deltas:
@@ -174,9 +175,7 @@ class AsyncEngine:
             if route is not None:
                 route[0].queue.put_nowait((route[1], EngineError(message, status)))
 
-    def _publish(self, snap: dict | None):
-        if snap is None:
-            return
+    def _publish(self, snap: dict):
         self.snapshot = snap
         now = time.monotonic()
         if not self.rate_samples or now - self.rate_samples[-1][0] >= 0.25:

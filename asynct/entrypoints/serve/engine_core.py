@@ -3,7 +3,7 @@ a GIL with the step loop (in one process, every HTTP chunk written delays the ne
 the interpreter's 5 ms switch interval). Both ends of the wire live here.
 
 Front end -> core: ("add", [(rid, token_ids, params, stream), ...]), ("abort", [rid, ...]), ("stop",).
-Core -> front end: ("ready", info) or ("failed", message) once; then ("outputs", deltas, snapshot),
+Core -> front end: ("ready", info with a first snapshot) or ("failed", message) once; then ("outputs", deltas, snapshot),
 ("errors", [(rid, message, status), ...]) and ("snapshot", snapshot).
 Outputs travel as deltas (new tokens, new text), so a step's message does not grow with the
 length of what was generated; `apply_delta` rebuilds vLLM's cumulative RequestOutput."""
@@ -24,7 +24,8 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
     except Exception as e:     # a bad checkpoint or option: the front end shows the message
         outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    outbox.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size}))
+    outbox.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                           "snapshot": snapshot(engine)}))
     EngineCore(engine, outbox).run(inbox)
 
 
