@@ -58,7 +58,7 @@ def kernel_rows():
         hint = int(seq.max())
         off = time_us(lambda: asynci_decode_triton(*args, max_seq_len=hint))
         ref = out.float().clone()
-        on = time_us(lambda: asynci_decode_triton(*args, max_seq_len=hint, prefix_len=plen, prefix_hint=hint))
+        on = time_us(lambda: asynci_decode_triton(*args, max_seq_len=hint, prefix_len=plen))
         err = ((out.float() - ref).norm() / ref.norm()).item()
         rows.append((b, prefix, suffix, off, on, off / on, err))
     print("\n| batch | shared prefix | suffix <= | no cascade us | cascade us | speed-up | rel. diff |")

@@ -40,7 +40,6 @@ class TritonAttentionMetadata(AttentionMetadata):
     max_decode_seq_len: int = 0
     decode_prefix_len: torch.Tensor | None = None   # int32 [1]: keys all decodes share; None: no cascade
     decode_prefix_len_cpu: int = 0
-    decode_prefix_hint: int = 0                     # host bound of it, sizes the grid
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -55,7 +54,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             max_prefill_query_len=max(pre_q, default=0), max_prefill_seq_len=max(pre_s, default=0),
             max_decode_seq_len=max(step.seq_lens[:nd], default=0),
             decode_prefix_len=torch.tensor([plen], dtype=torch.int32, device=self.device) if plen else None,
-            decode_prefix_len_cpu=plen, decode_prefix_hint=plen)
+            decode_prefix_len_cpu=plen)
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -65,8 +64,7 @@ class TritonAttentionImpl(AttentionImpl):
         args = (self.sigma, self.scale, self.pool_size, self.relu_pre)
         if nd:
             asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
-                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
-                          prefix_hint=md.decode_prefix_hint)
+                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len)
         if md.num_prefills:
             asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
                            md.seq_lens[nd:], *args, output[nd:na],
@@ -106,8 +104,7 @@ class TritonBackend(AttentionBackend):
             max_query_len=1, max_seq_len=0, query_start_loc=self.graph_qsl[: bs + 1],
             seq_lens=self.graph_seq_lens[:bs], block_table=self.graph_block_table[:bs],
             slot_mapping=self.graph_slot_mapping[:bs], max_decode_seq_len=self.graph_max_seq_len,
-            decode_prefix_len=self.graph_prefix_len if cascade else None,
-            decode_prefix_hint=self.graph_max_seq_len if cascade else 0)
+            decode_prefix_len=self.graph_prefix_len if cascade else None)
 
     def prepare_for_replay(self, md: TritonAttentionMetadata, batch_size) -> TritonAttentionMetadata:
         n, width = md.num_decodes, md.block_table.shape[1]

@@ -200,19 +200,18 @@ PREFIX_WARPS = 4
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_hint=None,
-                         prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2):
+                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
-    `prefix_hint`: a host upper bound of it, to size the grid (graph-safe)."""
+    `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe)."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     b, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
     if b == 0:
         return out
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
     if splits is None:
-        hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
         splits = num_splits(b, hkv, hint, sms)
     g = hq // hkv
     if splits == 1:
@@ -225,7 +224,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     sigma = sigma.float().contiguous()
     s_pre, pre = 0, dst
     if prefix_len is not None:
-        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, prefix_hint or block_table.shape[1] * bs, sms)
+        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
         pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
         _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
             q, kv_cache[0], kv_cache[1], block_table, prefix_len, sigma, pre, float(scale),
@@ -243,7 +242,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=None, prefix_len=None, prefix_hint=None):
+                  max_seq_len=None, prefix_len=None):
     """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it.
     `prefix_len` is a hint (shared leading blocks, see asynci_decode_triton): ignoring it is
     always correct, so the references and the CUDA kernel do."""
@@ -254,6 +253,6 @@ def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, r
     fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
     if fn is asynci_decode_triton:
         return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=max_seq_len, prefix_len=prefix_len, prefix_hint=prefix_hint)
+                  max_seq_len=max_seq_len, prefix_len=prefix_len)
     return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
               max_seq_len=max_seq_len)
