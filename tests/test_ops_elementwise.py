@@ -38,13 +38,19 @@ def params(c, per_channel, gen, dtype=torch.float32):
     return (torch.rand(n, generator=gen) * 2 + 0.1).to(dtype), torch.randn(n, generator=gen).to(dtype)
 
 
+def qk_views(t, hq, hkv, d, dtype, gen):
+    """q [t, hq, d] and k [t, hkv, d] as views into one fused QKV row, as the engine has them:
+    their row stride is (hq + 2 * hkv) * d, not their own width."""
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
+    return qkv[:, :hq * d].view(t, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_dyht_strided_3d(dtype, per_channel):
     gen = torch.Generator().manual_seed(0)
-    t, hq, hkv, d = 5, 4, 2, 32
-    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)  # row stride != hkv*d
+    d = 32
+    _, k = qk_views(5, 4, 2, d, dtype, gen)
     alpha, weight = params(d, per_channel, gen)
     out = dyht_triton(k.to(DEV), alpha.to(DEV), weight.to(DEV)).cpu()
     assert out.is_contiguous()
@@ -129,10 +135,8 @@ def test_rope_ref_is_rotate_half():
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_qk_norm_rope_strided(dtype, per_channel):
     gen = torch.Generator().manual_seed(6)
-    t, hq, hkv, d = 6, 4, 2, 32
-    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    t, d = 6, 32
+    q, k = qk_views(t, 4, 2, d, dtype, gen)
     pos = torch.randint(0, 50, (t,), generator=gen)
     cache = rope_cos_sin_cache(d, 64, 10000.0)
     qa, qw = params(d, per_channel, gen)
