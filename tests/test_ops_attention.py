@@ -32,13 +32,16 @@ def _interpreter_scalars():
     interp._patch_lang_tensor = orig
 
 
-def make_cache(lens, hkv, d, bs, dtype, device, gen):
+def make_cache(lens, hkv, d, bs, dtype, device, gen, block_major=False):
     """A paged cache holding len keys per sequence in shuffled blocks; the slots after each
-    sequence's last key are NaN so that a kernel reading past a sequence shows up."""
+    sequence's last key are NaN so that a kernel reading past a sequence shows up.
+    block_major: the same values laid out as vLLM's [num_blocks, 2, ...], viewed as [2, ...]."""
     need = [(n + bs - 1) // bs for n in lens]
     nblk = sum(need) + 3
     dev_gen = torch.Generator(device).manual_seed(int(torch.randint(1 << 30, (1,), generator=gen)))
     cache = torch.randn(2, nblk, bs, hkv, d, generator=dev_gen, device=device).to(dtype)
+    if block_major:
+        cache = cache.transpose(0, 1).contiguous().transpose(0, 1)
     perm = torch.randperm(nblk, generator=gen).int()
     table = torch.zeros(len(lens), max(max(need), 1), dtype=torch.int32)
     starts = [0] + torch.tensor(need).cumsum(0).tolist()
@@ -73,9 +76,9 @@ def rel_err(x, ref):
 
 
 def decode_case(fn, b_lens, hq, hkv, d, bs, pool, relu, dtype=torch.float32, device="cpu",
-                seed=0, **kw):
+                seed=0, block_major=False, **kw):
     gen = torch.Generator().manual_seed(seed)
-    cache, table = make_cache(b_lens, hkv, d, bs, dtype, device, gen)
+    cache, table = make_cache(b_lens, hkv, d, bs, dtype, device, gen, block_major)
     qbuf = torch.randn(len(b_lens), hq + 2, d, generator=gen).to(dtype).to(device)
     q = qbuf[:, 1:hq + 1]  # a strided view, as the engine passes
     sigma = (torch.randn(hq, generator=gen) * 1.5).to(device)  # negative ones too
@@ -90,10 +93,10 @@ def decode_case(fn, b_lens, hq, hkv, d, bs, pool, relu, dtype=torch.float32, dev
 
 
 def prefill_case(fn, q_lens, ctx, hq, hkv, d, bs, pool, relu, dtype=torch.float32, device="cpu",
-                 seed=0, **kw):
+                 seed=0, block_major=False, **kw):
     gen = torch.Generator().manual_seed(seed)
     lens = [a + c for a, c in zip(q_lens, ctx)]
-    cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen)
+    cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen, block_major)
     t = sum(q_lens)
     qbuf = torch.randn(t, hq + hkv, d, generator=gen).to(dtype).to(device)
     q = qbuf[:, :hq]
@@ -163,11 +166,11 @@ def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
 
 
 def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=torch.float32,
-                       device="cpu", seed=0, **kw):
+                       device="cpu", seed=0, block_major=False, **kw):
     """Decode over a batch whose rows share their first prefix_blocks blocks (as the prefix
     cache leaves them), through the cascade path, against the reference."""
     gen = torch.Generator().manual_seed(seed)
-    cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen)
+    cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen, block_major)
     table[:, :prefix_blocks] = table[0, :prefix_blocks]
     qbuf = torch.randn(len(lens), hq + 2, d, generator=gen).to(dtype).to(device)
     q = qbuf[:, 1:hq + 1]
@@ -208,6 +211,18 @@ def test_prefill_triton_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, blo
     err = prefill_case(asynci_prefill_triton, q_lens, ctx, hq, hkv, d, bs, pool, relu,
                        device=DEV, block_m=block_m, block_n=16)
     assert err < 1e-5
+
+
+def test_kernels_read_a_block_major_cache_in_place():
+    """vLLM's cache is [num_blocks, 2, ...]: viewed as [2, num_blocks, ...] it has other strides;
+    every kernel takes it as it is."""
+    args = (4, 2, 16, 4, 3, True)
+    assert decode_case(asynci_decode_triton, [1, 37, 70], *args, device=DEV, splits=2,
+                       block_major=True) < 1e-5
+    assert shared_prefix_case([40, 45, 50], 8, *args, device=DEV, prefix_splits=2,
+                              block_major=True) < 1e-5
+    assert prefill_case(asynci_prefill_triton, [5, 20], [9, 0], *args, device=DEV, block_m=16,
+                        block_n=16, block_major=True) < 1e-5
 
 
 # ---- on a GPU: realistic shapes, bf16 ------------------------------------------------------

@@ -177,6 +177,19 @@ def test_write_kv_cache(bs):
     assert torch.equal(c3, c1)
 
 
+def test_write_kv_cache_block_major():
+    """vLLM's [num_blocks, 2, ...] cache, viewed as [2, ...], written in place."""
+    gen = torch.Generator().manual_seed(8)
+    t, hkv, d, nblk, bs = 7, 2, 16, 5, 4
+    k, v = torch.randn(t, hkv, d, generator=gen), torch.randn(t, hkv, d, generator=gen)
+    slots = torch.randperm(nblk * bs, generator=gen)[:t]
+    store = torch.randn(nblk, 2, bs, hkv, d, generator=gen)
+    want = store.transpose(0, 1).clone()
+    write_kv_cache_ref(k, v, want, slots)
+    on_dev(write_kv_cache_triton, k, v, store.transpose(0, 1), slots)
+    assert torch.equal(store.transpose(0, 1), want)
+
+
 # ---- on a GPU: realistic shapes ------------------------------------------------------------
 
 @gpu

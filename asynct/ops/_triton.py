@@ -9,4 +9,12 @@ except ImportError:
     class tl:  # noqa: N801  (lets `x: tl.constexpr` annotations evaluate)
         constexpr = None
 
-jit = triton.jit if triton is not None else (lambda fn: fn)
+
+def jit(fn=None, **options):
+    """`triton.jit`, also as `jit(do_not_specialize=[...])`. Arguments that change from step to
+    step (token counts, batch sizes, a block table's width, offsets into a batch) must be listed
+    there: Triton specialises integers on `== 1` and `% 16` and pointers on 16-byte alignment,
+    and every new combination is a compile in the middle of serving."""
+    if fn is None:
+        return lambda f: jit(f, **options)
+    return triton.jit(fn, **options) if triton is not None else fn

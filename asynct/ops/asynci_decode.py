@@ -12,19 +12,22 @@ import functools
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
 BLOCK_N = 64
 
 
 @_jit
-def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, HKV, BS: tl.constexpr,
-                 D: tl.constexpr):
-    """Rows `keys` of one KV head from the paged cache [num_blocks, BS, HKV, D] -> [N, D]."""
+def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head,
+                 BS: tl.constexpr, D: tl.constexpr):
+    """Rows `keys` of one KV head from a paged cache [num_blocks, BS, HKV, D] of any strides
+    (s_blk, s_tok, s_head; unit stride along D) -> [N, D]. Strides let vLLM's block-major
+    cache [num_blocks, 2, BS, HKV, D] be read in place."""
     blk = tl.load(bt_row_ptr + keys // BS, mask=mask, other=0)
-    row = (blk.to(tl.int64) * BS + keys % BS) * HKV + kv_head
+    row = blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
     d = tl.arange(0, D)
-    return tl.load(cache_ptr + row[:, None] * D + d[None, :], mask=mask[:, None], other=0.0)
+    return tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask[:, None], other=0.0)
 
 
 @_jit
@@ -42,17 +45,17 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(s - sigma[:, None] * lp, 0.0), 1.0)
 
 
-@_jit
+@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
-                   sqb, sqh, sbt, sob, soh, sos, HKV, G,
+                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, S_PRE: tl.constexpr):
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     n_keys = tl.load(seq_ptr + b)
     start = 0
-    if S_PRE > 0:      # keys below the shared prefix's length were done by _prefix_kernel
+    if CASCADE:      # keys below the shared prefix's length were done by _prefix_kernel
         start = tl.minimum(tl.load(plen_ptr), n_keys)
     # split ranges come from the device-side lengths: no host sync, any length is right
     per = tl.cdiv(tl.cdiv(n_keys - start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
@@ -72,7 +75,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     # halo: r of the P-1 keys left of this split (zero before the sequence start)
     keys = lo - BLOCK_N + n
     kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
 
@@ -80,26 +83,27 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n
         kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
-        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
-    if S_PRE > 0:
+    if CASCADE:
         if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
-            row = (b.to(tl.int64) * HKV * G + head) * S_PRE
-            for s_ in tl.static_range(S_PRE):
+            row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
+            for s_ in range(S_PRE):
                 acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
-@_jit
-def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, scale, sqb, sqh, B, HKV, G,
+@_jit(do_not_specialize=["B", "S_PRE"])
+def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, scale, sqb, sqh, B,
+                   s_blk, s_tok, s_head, G, S_PRE,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, S_PRE: tl.constexpr):
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr):
     """Keys [0, prefix_len) that every sequence of the batch shares (same blocks): a program
     takes BLOCK_M query rows of one KV head, from many sequences, so each prefix key is loaded
     once per row tile instead of once per sequence. Every prefix key precedes every query: no
@@ -124,7 +128,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
 
     keys = lo - BLOCK_N + n
     kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, HKV, BS, D)
+    k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
 
@@ -132,28 +136,29 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n
         kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, HKV, BS, D)
-        v = load_kv_rows(v_ptr, bt_ptr, keys, kmask, kvh, HKV, BS, D)
+        k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+        v = load_kv_rows(v_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
-    dst = pre_ptr + ((b.to(tl.int64) * HKV * G + head) * S_PRE + split)[:, None] * D + d[None, :]
+    dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared: a graph's prefix pass then costs a launch
     tl.store(dst, acc, mask=rmask[:, None] & (n_keys > 0))
 
 
-@_jit
-def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, S_PAD: tl.constexpr, D: tl.constexpr):
+@_jit(do_not_specialize=["S"])
+def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     nh = tl.num_programs(1)
-    s = tl.arange(0, S_PAD)[:, None]
-    d = tl.arange(0, D)[None, :]
-    part = tl.load(mid_ptr + ((b * nh + h) * S + s).to(tl.int64) * D + d, mask=s < S, other=0.0)
-    tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + tl.arange(0, D),
-             tl.sum(part, axis=0).to(out_ptr.dtype.element_ty))
+    d = tl.arange(0, D)
+    row = mid_ptr + ((b * nh + h) * S).to(tl.int64) * D + d
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s in range(S):   # a run-time count: one compiled kernel for every split count
+        acc += tl.load(row + s * D)
+    tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,8 +175,7 @@ def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
 def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, Hq, D] with unit last stride, got {tuple(q.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor")
+    check_kv_cache(kv_cache)
     b, hq, d = q.shape
     hkv = kv_cache.shape[3]
     if kv_cache.shape[4] != d or hq % hkv:
@@ -222,22 +226,22 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
     sigma = sigma.float().contiguous()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     s_pre, pre = 0, dst
     if prefix_len is not None:
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
         pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
         _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
-            q, kv_cache[0], kv_cache[1], block_table, prefix_len, sigma, pre, float(scale),
-            q.stride(0), q.stride(1), b, hkv, g, BLOCK_M=PREFIX_BLOCK_M, S_PRE=s_pre, **consts,
-            num_warps=PREFIX_WARPS, num_stages=num_stages)
+            q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale),
+            q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, BLOCK_M=PREFIX_BLOCK_M,
+            **consts, num_warps=PREFIX_WARPS, num_stages=num_stages)
     _decode_kernel[(b, hkv, splits)](
-        q, kv_cache[0], kv_cache[1], block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
-        pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, hkv, g,
-        M=max(16, triton.next_power_of_2(g)), S_PRE=s_pre, **consts,
-        num_warps=num_warps, num_stages=num_stages)
+        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
+        pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
+        *k_cache.stride()[:3], g, s_pre, M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0,
+        **consts, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits,
-                                    S_PAD=triton.next_power_of_2(splits), D=d, num_warps=4)
+        _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits, D=d, num_warps=4)
     return out
 
 

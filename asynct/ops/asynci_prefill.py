@@ -10,6 +10,7 @@ import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
 from asynct.ops.asynci_decode import load_kv_rows
+from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
 
@@ -28,12 +29,12 @@ def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr):
 
 @_jit
 def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur, f_prev, kvh,
-          HKV, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+          s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
     keys = j0 + tl.arange(0, BLOCK_N)
     kmask = keys < hi
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
-    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, HKV, BS, D)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r = tl.maximum(s, 0.0) if RELU else s
     if MASKED:  # keys past a query's position pool as zeros (only later keys read them)
@@ -57,9 +58,9 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur,
     return acc, r_hi, r_lo
 
 
-@_jit
+@_jit(do_not_specialize=["sbt"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
-                    sqt, sqh, sot, soh, sbt, HKV, G,
+                    sqt, sqh, sot, soh, sbt, s_blk, s_tok, s_head, G,
                     D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                     RELU: tl.constexpr, PREC: tl.constexpr):
@@ -96,11 +97,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for j0 in range(0, full, BLOCK_N):
         acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
-                                  f_cur, f_prev, kvh, HKV, scale, BS, D, BLOCK_N, P, RELU, PREC,
+                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
                                   False)
     for j0 in range(full, hi, BLOCK_N):
         acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
-                                  f_cur, f_prev, kvh, HKV, scale, BS, D, BLOCK_N, P, RELU, PREC,
+                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
                                   True)
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -109,8 +110,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
 def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [T, Hq, D] with unit last stride, got {tuple(q.shape)}")
-    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or not kv_cache.is_contiguous():
-        raise ValueError("kv_cache must be a contiguous [2, num_blocks, block_size, Hkv, D] tensor")
+    check_kv_cache(kv_cache)
     t, hq, d = q.shape
     if kv_cache.shape[4] != d or hq % kv_cache.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
@@ -140,10 +140,11 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     if q.shape[0] == 0 or b == 0 or max_query_len <= 0:
         return out
     grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
-        q, kv_cache[0], kv_cache[1], block_table, query_start_loc, seq_lens,
+        q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         sigma.float().contiguous(), out, float(scale), q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_table.stride(0), hkv, g, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
+        out.stride(1), block_table.stride(0), *k_cache.stride()[:3], g, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)

@@ -42,7 +42,7 @@ def _blocks(c):
     return block_c, max(1, 8192 // block_c)
 
 
-@_jit
+@_jit(do_not_specialize=["R"])
 def _dyht_kernel(x_ptr, out_ptr, alpha_ptr, weight_ptr, R, H, C, sx0, sx1, sa, sw,
                  BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr):
     # 3-D tiles [rows, heads, channels]: no index division, any row and head stride
@@ -74,7 +74,7 @@ def dyht_triton(x, alpha, weight):
     return out
 
 
-@_jit
+@_jit(do_not_specialize=["T"])
 def _dyht_add_kernel(y_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, w_ptr, pa_ptr, pw_ptr, T, C,
                      sa, sw, spa, spw, HAS_RES: tl.constexpr, HAS_POST: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):

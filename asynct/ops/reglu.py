@@ -9,7 +9,7 @@ def reglu_ref(gate_up):
     return (torch.relu(gate) * up).to(gate_up.dtype)
 
 
-@_jit
+@_jit(do_not_specialize=["T"])
 def _reglu_kernel(x_ptr, out_ptr, T, I, sx, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)

@@ -62,7 +62,7 @@ def _norm_rope_heads(x_ptr, out_ptr, t0, T, pos_ptr, cs_ptr, sx0, sx1, a_ptr, w_
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(ty), mask=mask)
 
 
-@_jit
+@_jit(do_not_specialize=["T"])
 def _qk_rope_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, cs_ptr, T, sq0, sq1, sk0, sk1,
                     qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw, HQ, HK,
                     HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
