@@ -44,6 +44,7 @@ def load_extension():
 def cuda_decode_supported(q, kv_cache, pool_size=3):
     g = q.shape[1] // kv_cache.shape[3]
     return (q.dtype in (torch.bfloat16, torch.float16) and kv_cache.dtype == q.dtype
+            and kv_cache.is_contiguous()
             and q.shape[2] in (64, 128) and g in (1, 2, 4, 8) and 1 <= pool_size <= 64
             and q.stride(0) % 8 == 0 and q.stride(1) % 8 == 0 and q.data_ptr() % 16 == 0)
 
