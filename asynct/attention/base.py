@@ -44,6 +44,16 @@ class StepInputs:
     num_decodes: int
 
 
+def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list/array on `device` without waiting for the device: a plain copy to CUDA
+    synchronises the stream, which would stall the host behind the step in flight. Pinned
+    blocks come from torch's caching host allocator, which reuses one only after its copy ran."""
+    t = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def block_table_array(tables: list[list[int]]) -> np.ndarray:
     """Ragged block tables -> a zero-padded int32 array (row copies, not a list of lists)."""
     out = np.zeros((len(tables), max(map(len, tables), default=1) or 1), dtype=np.int32)
@@ -68,10 +78,10 @@ class AttentionMetadataBuilder(ABC):
             num_decodes=step.num_decodes, num_prefills=len(step.query_lens) - step.num_decodes,
             num_decode_tokens=step.num_decodes, num_actual_tokens=qsl[-1],
             max_query_len=max(step.query_lens, default=0), max_seq_len=max(step.seq_lens, default=0),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(step.seq_lens, dtype=torch.int32, device=dev),
-            block_table=torch.from_numpy(table).to(dev, non_blocking=True),
-            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=dev),
+            query_start_loc=host_to_device(qsl, torch.int32, dev),
+            seq_lens=host_to_device(step.seq_lens, torch.int32, dev),
+            block_table=host_to_device(table, torch.int32, dev),
+            slot_mapping=host_to_device(step.slot_mapping, torch.int64, dev),
             query_start_loc_cpu=tuple(qsl), seq_lens_cpu=tuple(step.seq_lens))
 
     @abstractmethod
@@ -109,6 +119,10 @@ class AttentionBackend(ABC):
     @abstractmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:
         ...
+
+    def warmup(self, impl: AttentionImpl, kv_cache: torch.Tensor):
+        """Compiles, at start-up, every kernel variant a step can reach beyond what a plain
+        forward exercises (so that nothing compiles while serving)."""
 
     # CUDA-graph hooks: the backend owns the static metadata buffers that graphs read.
     def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int, device):

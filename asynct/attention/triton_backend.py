@@ -13,7 +13,7 @@ import torch
 
 from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
-                                   register_backend)
+                                   host_to_device, register_backend)
 from asynct.ops import asynci_decode, asynci_prefill, write_kv_cache
 
 CASCADE_MIN_DECODES = 16     # below this, a prefix tile holds too few sequences to pay off
@@ -53,7 +53,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             **c, prefill_query_start_loc=(c["query_start_loc"][nd:] - nd) if pre_q else None,
             max_prefill_query_len=max(pre_q, default=0), max_prefill_seq_len=max(pre_s, default=0),
             max_decode_seq_len=max(step.seq_lens[:nd], default=0),
-            decode_prefix_len=torch.tensor([plen], dtype=torch.int32, device=self.device) if plen else None,
+            decode_prefix_len=host_to_device([plen], torch.int32, self.device) if plen else None,
             decode_prefix_len_cpu=plen)
 
 
@@ -84,6 +84,24 @@ class TritonBackend(AttentionBackend):
     @classmethod
     def get_impl_cls(cls):
         return TritonAttentionImpl
+
+    def warmup(self, impl, kv_cache):
+        """Decode's compiled variants: one split (written straight to the output) or several
+        (fp32 partials, then a sum), each with and without the shared-prefix pass; then prefill.
+        Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
+        dev, dtype = kv_cache.device, kv_cache.dtype
+        b, blocks = 2, 4
+        q = torch.zeros(b, impl.num_heads, impl.head_dim, dtype=dtype, device=dev)
+        table = torch.zeros(b, blocks, dtype=torch.int32, device=dev)
+        lens = torch.full((b,), blocks * kv_cache.shape[2], dtype=torch.int32, device=dev)
+        args = (impl.sigma, impl.scale, impl.pool_size, impl.relu_pre)
+        for splits in (1, 2):
+            for prefix in (None, torch.zeros(1, dtype=torch.int32, device=dev)):
+                asynci_decode(q, kv_cache, table, lens, *args, torch.empty_like(q), splits=splits,
+                              prefix_len=prefix)
+        qsl = torch.tensor([0, 1, b], dtype=torch.int32, device=dev)
+        asynci_prefill(q, kv_cache, table, qsl, lens, *args, torch.empty_like(q), max_query_len=1,
+                       max_seq_len=int(lens[0]))
 
     def init_capture(self, max_batch_size, max_blocks_per_seq, max_seq_len, device):
         self.graph_max_seq_len = max_seq_len

@@ -96,7 +96,8 @@ class BlockManager:
         """Publishes the hashes of blocks that became full, so later prompts can share them."""
         if not self.enable_prefix_caching:
             return
-        for i in range(len(seq.block_hashes), seq.num_computed_tokens // self.block_size):
+        known = min(seq.num_computed_tokens, len(seq))   # tokens still on the device wait
+        for i in range(len(seq.block_hashes), known // self.block_size):
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else -1, seq.block(i))
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]

@@ -9,7 +9,7 @@ import torch
 
 from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
-from asynct.engine.model_runner import ModelRunner
+from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
 from asynct.engine.scheduler import Scheduler
@@ -36,6 +36,18 @@ class EngineArgs:
     num_kv_blocks: int | None = None      # overrides both sizings (tests)
     admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16
     tokenizer: str | None = None
+    async_scheduling: bool = True         # launch step N+1 before finishing step N
+
+
+@dataclass
+class StepRecord:
+    kind: str            # "graph", "decode", "mixed" or "prefill"
+    num_seqs: int
+    num_tokens: int
+    kv_tokens: int       # keys the step's attention reads (about)
+    wall_s: float        # from the previous step's end to this one's
+    launch_s: float      # host time to build and launch it
+    gpu_s: float | None  # device time of its forward and sampling (timed runs only)
 
 
 @dataclass
@@ -84,12 +96,14 @@ class LLMEngine:
         log.info("engine ready: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_seconds.items()))
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         admit = args.admission_batch or max(1, args.max_num_seqs // 16)
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, admit)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, admit,
+                                   self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "decode_steps": 0,
-                      "decode_time": 0.0}
-        self.step_log: list | None = None   # benchmarks set a list: (num_decodes, kv_tokens, seconds)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "decode_steps": 0}
+        self.in_flight: LaunchedStep | None = None   # launched, not finished (async scheduling)
+        self._last_step_end = None
+        self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
 
     def _num_kv_blocks(self) -> int:
         a = self.args
@@ -146,40 +160,77 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.in_flight is not None
 
     # ---- the loop -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one batch; returns the outputs of requests that finished, and of streaming
-        requests that progressed."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        """Schedules and launches one batch, then finishes the batch before it (async
+        scheduling: the host prepares step N+1 while the device runs step N) or this one.
+        Returns the outputs of requests that finished, and of streaming requests that progressed."""
         t0 = time.perf_counter()
-        out = self.runner.run(batch)
-        self._count(batch, time.perf_counter() - t0)
-        touched = {}
-        for seq, n, token, lp, plp in zip(batch.seqs, batch.num_tokens, out.tokens, out.logprobs,
-                                          out.prompt_logprobs):
+        batch = self.scheduler.schedule()
+        launched = self.runner.launch(batch) if batch.seqs else None
+        if launched is not None:
+            self._advance(launched)
+        if self.args.async_scheduling:
+            finishing, self.in_flight = self.in_flight, launched
+        else:
+            finishing = launched
+        outputs = self._finish(finishing) if finishing is not None else []
+        self._record(finishing, t0)
+        return outputs
+
+    def _advance(self, launched: LaunchedStep):
+        """The launched step's tokens count as computed now: the next step is scheduled (and
+        its K/V read) after it on the device. Its samples are pending until finished."""
+        for seq, n in zip(launched.batch.seqs, launched.batch.num_tokens):
             seq.num_computed_tokens += n
+            seq.num_prompt_logprobs_scheduled = max(seq.num_prompt_logprobs_scheduled,
+                                                    min(seq.num_computed_tokens, seq.num_prompt_tokens - 1))
+            self.block_manager.commit_full_blocks(seq)   # prompt blocks: their tokens are known
+        for row, i in enumerate(launched.samplers):
+            seq = launched.batch.seqs[i]
+            seq.num_pending_tokens += 1
+            seq.sample_row = row
+
+    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
+        batch = launched.batch
+        out = self.runner.finish(launched)
+        self._count(batch)
+        touched = {}
+        for seq, token, lp, plp in zip(batch.seqs, out.tokens, out.logprobs, out.prompt_logprobs):
             if seq.prompt_logprobs is not None:
                 seq.prompt_logprobs.extend(plp)
-            self.block_manager.commit_full_blocks(seq)
-            if token is not None and not seq.is_finished:
+            if token is not None:
+                seq.num_pending_tokens -= 1
+                if seq.is_finished:     # ended (stop, abort) while this step was in flight
+                    continue
                 self._append(seq, token, lp)
-            req = self.requests[seq.request_id]
-            if req.stream or req.finished:
+            if not seq.is_finished:
+                self.block_manager.commit_full_blocks(seq)
+            req = self.requests.get(seq.request_id)
+            if req is not None and (req.stream or req.finished):
                 touched[seq.request_id] = req
         return [self._output(req) for req in touched.values()]
 
-    def _count(self, batch, seconds):
+    def _count(self, batch):
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += batch.total_tokens - batch.num_decodes
         if batch.num_decodes == len(batch.seqs):
             self.stats["decode_steps"] += 1
-            self.stats["decode_time"] += seconds
-            if self.step_log is not None:
-                self.step_log.append((batch.num_decodes, sum(len(s) for s in batch.seqs), seconds))
+
+    def _record(self, launched: LaunchedStep | None, t0: float):
+        """Benchmarks' per-step log: the wall time between step ends is a step's real cost."""
+        end = time.perf_counter()
+        start = self._last_step_end if self.step_log and self._last_step_end else t0
+        self._last_step_end = end
+        self.runner.timed = self.step_log is not None
+        if self.step_log is None or launched is None:
+            return
+        b = launched.batch
+        gpu = launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else None
+        self.step_log.append(StepRecord(launched.kind, len(b.seqs), b.total_tokens, launched.kv_tokens,
+                                        end - start, launched.host_s, gpu))
 
     def _append(self, seq: Sequence, token: int, logprob):
         seq.append_token(token)

@@ -1,9 +1,16 @@
-"""Runs one scheduled batch: builds inputs and metadata once, runs the model, samples."""
+"""Runs one scheduled batch: builds inputs and metadata once, launches the model and the sampler
+without waiting for the device, and finishes the step (results to the host) when asked.
+
+With async scheduling the engine launches step N+1 before it finishes step N: tokens sampled in
+step N stay on the device and become step N+1's inputs there; only their copies to the host
+(pinned, non-blocking) are waited for, one step later."""
+import time
 from dataclasses import dataclass
 
 import torch
 
 from asynct.attention import StepInputs, resolve_backend
+from asynct.attention.base import host_to_device
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.outputs import Logprob
@@ -18,6 +25,20 @@ class StepOutput:
     tokens: list[int | None]                       # per scheduled seq; None while prefilling
     logprobs: list[dict[int, Logprob] | None]
     prompt_logprobs: list[list[dict[int, Logprob]]]  # per seq: entries for this chunk's positions
+
+
+@dataclass
+class LaunchedStep:
+    """A step on the device, and what the host needs to finish it once the device is done."""
+    batch: ScheduledBatch
+    samplers: list[int]          # batch rows that sample, in the order of the sampled tensor
+    prompt_rows: list            # (batch row, hidden row, target token) of prompt logprobs
+    host: dict                   # pinned host copies, filled by non-blocking copies
+    done: torch.cuda.Event | None
+    kind: str                    # "graph" (decode replay), "decode", "mixed" or "prefill"
+    events: tuple = ()           # (start, end) around the device work, when timed
+    host_s: float = 0.0          # host time spent launching it
+    kv_tokens: int = 0           # keys its attention reads
 
 
 class ModelRunner:
@@ -42,6 +63,8 @@ class ModelRunner:
         self.use_graphs = (self.device.type == "cuda" and not enforce_eager
                            and self.backend.supports_cuda_graphs)
         self.max_num_seqs = max_num_seqs
+        self.last_sampled = None     # the previous step's sampled tokens, on the device
+        self.timed = False           # record device time per step (benchmarks)
 
     # ---- KV cache -------------------------------------------------------------------------
     @property
@@ -56,8 +79,20 @@ class ModelRunner:
         self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.attn.kv_cache = self.kv_cache[i]
+        if capture and self.device.type == "cuda":
+            self._warmup()
         if self.use_graphs and capture:
             self.graphs = CudaGraphRunner(self, self.max_num_seqs)
+
+    @torch.inference_mode()
+    def _warmup(self):
+        """Every kernel compiles now, not in the middle of serving: a one-token forward (the
+        elementwise kernels, KV write, prefill), then the attention variants it cannot reach."""
+        step = StepInputs([1], [1], [[0]], [0], 0)
+        self._forward(torch.zeros(1, dtype=torch.long, device=self.device),
+                      torch.zeros(1, dtype=torch.long, device=self.device), self.builder.build(step))
+        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0])
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def profile_activation_memory(self) -> int:
@@ -80,17 +115,22 @@ class ModelRunner:
 
     # ---- one step -------------------------------------------------------------------------
     def step_inputs(self, batch: ScheduledBatch):
-        ids, pos, slots = [], [], []
+        """Host lists for the step; a token still on the device (sampled by the step before)
+        is a placeholder in `ids`, listed in `pending` as (input row, row of last_sampled)."""
+        ids, pos, slots, pending = [], [], [], []
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed_tokens
+            start, known = seq.num_computed_tokens, len(seq.token_ids)
             ids.extend(seq.token_ids[start:start + n])
+            if start + n > known:                      # at most its last token
+                ids.append(0)
+                pending.append((len(ids) - 1, seq.sample_row))
             pos.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
         step = StepInputs(list(batch.num_tokens), [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)],
                           [s.block_table for s in batch.seqs], slots, batch.num_decodes)
-        return ids, pos, step
+        return ids, pos, step, pending
 
     def _forward(self, input_ids, positions, metadata):
         set_context(metadata)
@@ -99,75 +139,150 @@ class ModelRunner:
         finally:
             reset_context()
 
+    def _input_ids(self, ids, pending):
+        input_ids = host_to_device(ids, torch.long, self.device)
+        if pending:
+            dst, src = zip(*pending)
+            input_ids[host_to_device(dst, torch.long, self.device)] = \
+                self.last_sampled[host_to_device(src, torch.long, self.device)]
+        return input_ids
+
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> StepOutput:
-        ids, pos, step = self.step_inputs(batch)
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queues the step's forward and sampling on the device; returns without waiting."""
+        t0 = time.perf_counter()
+        ids, pos, step, pending = self.step_inputs(batch)
         metadata = self.builder.build(step)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        positions = torch.tensor(pos, dtype=torch.long, device=self.device)
-        if self.graphs is not None and self.graphs.can_run(metadata):
+        events = self._events()
+        input_ids = self._input_ids(ids, pending)
+        positions = host_to_device(pos, torch.long, self.device)
+        graphed = self.graphs is not None and self.graphs.can_run(metadata)
+        if graphed:
             hidden = self.graphs.run(input_ids, positions, metadata)
         else:
             hidden = self._forward(input_ids, positions, metadata)
-        return self._postprocess(batch, hidden, metadata.query_start_loc_cpu)
+        launched = self._sample(batch, hidden, metadata.query_start_loc_cpu)
+        launched.kind = "graph" if graphed else _kind(batch)
+        if events:
+            events[1].record()
+            launched.events = events
+        if self.device.type == "cuda":
+            launched.done = torch.cuda.Event()
+            launched.done.record()
+        launched.kv_tokens = sum(step.seq_lens)
+        launched.host_s = time.perf_counter() - t0
+        return launched
 
-    def _postprocess(self, batch, hidden, qsl) -> StepOutput:
+    def _events(self):
+        if not (self.timed and self.device.type == "cuda"):
+            return ()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _sample(self, batch, hidden, qsl) -> LaunchedStep:
         samplers = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                    if s.num_computed_tokens + n == len(s)]
+                    if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
         prompt_rows = self._prompt_logprob_rows(batch, qsl)
         rows = [qsl[i + 1] - 1 for i in samplers] + [r for _, r, _ in prompt_rows]
+        logits = None
         if rows == list(range(hidden.shape[0])):
             logits = self.model.compute_logits(hidden)          # decode steps: every row samples
-        else:
-            logits = self.model.compute_logits(hidden[rows]) if rows else None
-        tokens: list = [None] * len(batch.seqs)
-        logprobs: list = [None] * len(batch.seqs)
+        elif rows:
+            logits = self.model.compute_logits(hidden[host_to_device(rows, torch.long, self.device)])
+        host = {}
         if samplers:
             seqs = [batch.seqs[i] for i in samplers]
             sampled = sample(logits[:len(samplers)], seqs, self.eos_token_id)
-            entries = self._logprob_entries(logits[:len(samplers)], sampled, seqs)
-            for j, (i, t) in enumerate(zip(samplers, sampled.tolist())):
-                tokens[i], logprobs[i] = t, entries[j]
-        return StepOutput(tokens, logprobs, self._prompt_logprobs(batch, prompt_rows, logits, len(samplers)))
+            self.last_sampled = sampled
+            host["tokens"] = _to_host(sampled)
+            host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)
+        if prompt_rows:
+            host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, logits[len(samplers):])
+        return LaunchedStep(batch, samplers, prompt_rows, host, None, "")
 
-    def _logprob_entries(self, logits, sampled, seqs):
+    def _logprob_tensors(self, logits, sampled, seqs):
         want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
-            return [None] * len(seqs)
-        entries = _entries(logits.log_softmax(-1, dtype=torch.float32), sampled, [w or 0 for w in want])
-        return [e if w is not None else None for e, w in zip(entries, want)]
+            return None
+        return want, _logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), sampled,
+                                      max(w or 0 for w in want))
 
     def _prompt_logprob_rows(self, batch, qsl):
         """(seq index, hidden row, target token) for every prompt position this step that
-        predicts a prompt token whose logprob is not recorded yet."""
+        predicts a prompt token whose logprob no step has computed yet."""
         rows = []
         for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             if s.prompt_logprobs is None:
                 continue
-            for p in range(max(s.num_computed_tokens, len(s.prompt_logprobs) - 1),
+            for p in range(max(s.num_computed_tokens, s.num_prompt_logprobs_scheduled),
                            min(s.num_computed_tokens + n, s.num_prompt_tokens - 1)):
                 rows.append((i, qsl[i] + p - s.num_computed_tokens, s.token_ids[p + 1]))
         return rows
 
-    def _prompt_logprobs(self, batch, prompt_rows, logits, offset):
-        out = [[] for _ in batch.seqs]
-        if not prompt_rows:
-            return out
-        targets = torch.tensor([t for _, _, t in prompt_rows], device=logits.device)
+    def _prompt_logprob_tensors(self, batch, prompt_rows, logits):
+        targets = host_to_device([t for _, _, t in prompt_rows], torch.long, logits.device)
         want = [batch.seqs[i].params.prompt_logprobs for i, _, _ in prompt_rows]
-        for (i, _, _), e in zip(prompt_rows, _entries(logits[offset:].log_softmax(-1, dtype=torch.float32), targets, want)):
-            out[i].append(e)
-        return out
+        return want, _logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), targets, max(want))
+
+    # ---- finishing a step -----------------------------------------------------------------
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        """Waits for the step's copies to reach the host and unpacks them."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        batch, host = launched.batch, launched.host
+        tokens: list = [None] * len(batch.seqs)
+        logprobs: list = [None] * len(batch.seqs)
+        if launched.samplers:
+            sampled = host["tokens"].tolist()
+            entries = _entries(host["logprobs"], sampled)
+            for j, i in enumerate(launched.samplers):
+                tokens[i], logprobs[i] = sampled[j], entries[j]
+        prompt = [[] for _ in batch.seqs]
+        if launched.prompt_rows:
+            targets = [t for _, _, t in launched.prompt_rows]
+            for (i, _, _), e in zip(launched.prompt_rows, _entries(host["prompt"], targets)):
+                prompt[i].append(e)
+        return StepOutput(tokens, logprobs, prompt)
+
+    def run(self, batch: ScheduledBatch) -> StepOutput:
+        """Launch and finish at once (the synchronous loop, tests, benchmarks)."""
+        return self.finish(self.launch(batch))
 
 
-def _entries(logprobs, tokens, num_top) -> list[dict[int, Logprob]]:
-    """vLLM's logprob dicts: the chosen token first, then the top `num_top[row]` by rank.
-    Everything crosses to the host in one copy per tensor."""
-    chosen, ranks, top = token_logprobs(logprobs, tokens, max(num_top))
-    chosen, ranks, tokens = chosen.tolist(), ranks.tolist(), tokens.tolist()
-    top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+def _kind(batch: ScheduledBatch) -> str:
+    if batch.num_decodes == len(batch.seqs):
+        return "decode"
+    return "mixed" if batch.num_decodes else "prefill"
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_cuda:
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
+
+
+def _logprob_tensors(logprobs, tokens, num_top):
+    """Per row on the host (non-blocking copies): the chosen token's logprob and rank, and the
+    top `num_top` ids and logprobs."""
+    chosen, ranks, top = token_logprobs(logprobs, tokens, num_top)
+    parts = (chosen, ranks) + ((top.indices, top.values) if top is not None else ())
+    return tuple(_to_host(p) for p in parts)
+
+
+def _entries(packed, tokens: list[int]) -> list:
+    """vLLM's logprob dicts: the chosen token first, then the top `num_top[row]` by rank."""
+    if packed is None:
+        return [None] * len(tokens)
+    want, parts = packed
+    chosen, ranks = parts[0].tolist(), parts[1].tolist()
+    top_ids, top_lps = (parts[2].tolist(), parts[3].tolist()) if len(parts) > 2 else ([], [])
     out = []
-    for j, k in enumerate(num_top):
+    for j, k in enumerate(want):
+        if k is None:
+            out.append(None)
+            continue
         entry = {tokens[j]: Logprob(chosen[j], ranks[j])}
         for r in range(k):
             entry.setdefault(top_ids[j][r], Logprob(top_lps[j][r], r + 1))

@@ -4,6 +4,7 @@ Sampling uses the exponential race (argmax p / E with E ~ Exp(1)), so a seeded r
 its own noise row from its own generator and gets the same tokens in any batch."""
 import torch
 
+from asynct.attention.base import host_to_device
 from asynct.engine.sequence import Sequence
 
 
@@ -17,11 +18,11 @@ def _filter_top_k_top_p_min_p(logits, seqs):
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[1], device=dev)[None]
-    drop = ranks >= torch.tensor(top_k, device=dev)[:, None]
+    drop = ranks >= host_to_device(top_k, torch.long, dev)[:, None]
     probs = sorted_logits.softmax(-1)
     before = probs.cumsum(-1) - probs                          # mass strictly before each token
-    drop |= before >= torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
-    drop |= probs < torch.tensor(min_p, device=dev, dtype=probs.dtype)[:, None] * probs[:, :1]
+    drop |= before >= host_to_device(top_p, probs.dtype, dev)[:, None]
+    drop |= probs < host_to_device(min_p, probs.dtype, dev)[:, None] * probs[:, :1]
     drop[:, 0] = False                                         # the top token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
@@ -39,15 +40,19 @@ def _exponential_noise(probs, seqs):
 
 
 def suppress_stops(logits, seqs, eos_token_id):
-    """Before min_tokens are out, EOS and stop tokens cannot be drawn."""
-    if not any(s.num_output_tokens < s.params.min_tokens for s in seqs):
+    """Before min_tokens are out, EOS and stop tokens cannot be drawn (tokens still on the
+    device count as out)."""
+    rows, cols = [], []
+    for i, s in enumerate(seqs):
+        if s.num_sampled_tokens < s.params.min_tokens:
+            banned = list(s.params.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
+            banned = [t for t in banned if 0 <= t < logits.shape[1]]
+            rows += [i] * len(banned)
+            cols += banned
+    if not rows:
         return logits
     logits = logits.clone()
-    for i, s in enumerate(seqs):
-        if s.num_output_tokens < s.params.min_tokens:
-            banned = list(s.params.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
-            if banned:
-                logits[i, banned] = float("-inf")
+    logits[host_to_device(rows, torch.long, logits.device), host_to_device(cols, torch.long, logits.device)] = float("-inf")
     return logits
 
 
@@ -59,12 +64,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id=None) -> tor
     if all(greedy):
         return logits.argmax(-1)
     logits = logits.float()
-    temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+    temps = host_to_device([s.params.temperature or 1.0 for s in seqs], torch.float32, logits.device)
     scaled = _filter_top_k_top_p_min_p(logits / temps[:, None], seqs)
     probs = scaled.softmax(-1)
     sampled = (probs / _exponential_noise(probs, seqs)).argmax(-1)
     if any(greedy):
-        sampled = torch.where(torch.tensor(greedy, device=logits.device), logits.argmax(-1), sampled)
+        sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), logits.argmax(-1), sampled)
     return sampled
 
 

@@ -20,8 +20,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 admission_batch: int = 1):
+                 admission_batch: int = 1, max_model_len: int | None = None):
         self.block_manager = block_manager
+        self.max_model_len = max_model_len
         self.admission_batch = admission_batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -41,8 +42,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:   # preempted earlier in this loop
-                continue
+            if seq.status != SequenceStatus.RUNNING or self._ends_with_pending(seq):
+                continue   # preempted earlier in this loop, or its last token is on the device
             n = min(seq.num_uncomputed_tokens, budget)
             if self._make_room(seq, n):
                 self.block_manager.allocate(seq, n)
@@ -59,6 +60,16 @@ class Scheduler:
         return ScheduledBatch([s for s, _ in picked], [n for _, n in picked],
                               sum(1 for _, n in picked if n == 1))
 
+    def _ends_with_pending(self, seq: Sequence) -> bool:
+        """A token still on the device that reaches max_tokens or max_model_len ends the
+        sequence: scheduling another would compute a token no output may hold."""
+        if not seq.num_pending_tokens:
+            return False
+        p = seq.params
+        return ((p.max_tokens is not None and seq.num_sampled_tokens >= p.max_tokens)
+                or (self.max_model_len is not None
+                    and len(seq) + seq.num_pending_tokens >= self.max_model_len))
+
     def _admitting(self) -> bool:
         """New sequences join in groups: a step with prefill runs without a CUDA graph and costs
         several decode steps, so refilling one freed slot per step is the slow way to go."""
@@ -66,6 +77,8 @@ class Scheduler:
         return free >= min(self.admission_batch, len(self.waiting))
 
     def _admit(self, seq: Sequence, budget: int) -> int:
+        if seq.num_pending_tokens:   # preempted with a token on the device: next step
+            return 0
         bm = self.block_manager
         hits = bm.match_prefix(seq)
         n = min(len(seq) - len(hits) * bm.block_size, budget)

@@ -21,8 +21,13 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []   # chained hashes of the full blocks computed so far
-        self.num_computed_tokens = 0      # tokens whose K/V are in the cache
+        self.num_computed_tokens = 0      # tokens whose K/V are in the cache (or queued to be)
         self.num_cached_tokens = 0        # of those, how many came from the prefix cache
+        # async scheduling: tokens sampled on the device that the host has not seen yet (at most
+        # one at scheduling time), and the row of the last step's samples that holds the newest
+        self.num_pending_tokens = 0
+        self.sample_row = -1
+        self.num_prompt_logprobs_scheduled = 0   # prompt positions whose logprobs a step computes
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
@@ -45,7 +50,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Output tokens including those still on the device."""
+        return self.num_output_tokens + self.num_pending_tokens
 
     @property
     def is_prefilling(self) -> bool:
@@ -62,7 +72,8 @@ class Sequence:
         self.token_ids.append(token_id)
 
     def reset_for_recompute(self):
-        """Preempted: drop the cache state; prompt and generated tokens are recomputed later."""
+        """Preempted: drop the cache state; prompt and generated tokens are recomputed later
+        (a token still on the device joins them when its step is finished)."""
         self.status = SequenceStatus.WAITING
         self.block_table, self.block_hashes = [], []
         self.num_computed_tokens = self.num_cached_tokens = 0

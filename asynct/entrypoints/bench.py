@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from asynct.engine.sampling_params import SamplingParams
+from asynct.entrypoints.breakdown import breakdown, print_breakdown
 
 WORKLOADS = ("throughput", "gsm8k", "latency")
 
@@ -79,14 +80,15 @@ def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
     """Mean decode-step time (at `batch` running sequences, or all decode steps) against
     (weights + KV actually read) / copy bandwidth."""
     eng = llm.llm_engine
-    steps = [s for s in result.pop("step_log") if batch is None or s[0] == batch]
+    steps = [r for r in result["step_log"] if r.kind in ("graph", "decode")
+             and (batch is None or r.num_seqs == batch)]
     if not steps:
         return {}
     kv_per_token = eng.runner.block_bytes // eng.args.block_size
     wb = weight_bytes(eng.runner.model)
-    mean = sum(t for _, _, t in steps) / len(steps)
-    roof = sum(wb + kv * kv_per_token for _, kv, _ in steps) / len(steps) / bandwidth
-    return {"decode_steps": len(steps), "decode_batch": batch or round(sum(b for b, _, _ in steps) / len(steps)),
+    mean = sum(r.wall_s for r in steps) / len(steps)
+    roof = sum(wb + r.kv_tokens * kv_per_token for r in steps) / len(steps) / bandwidth
+    return {"decode_steps": len(steps), "decode_batch": batch or round(sum(r.num_seqs for r in steps) / len(steps)),
             "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
 
 
@@ -140,9 +142,29 @@ def _largest_batch(model, reqs, device) -> int:
     return 1
 
 
+class _NoCounter:
+    compiles = None
+
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _compiles(device):
+    """Counts Triton compiles on CUDA (the interpreter compiles nothing)."""
+    from asynct.ops._triton import CompileCounter, triton
+    return CompileCounter() if device.type == "cuda" and triton is not None else _NoCounter()
+
+
+def _compiled(counter) -> str:
+    return f" ({len(counter.compiles)} Triton compiles, {counter.seconds:.1f} s)" if counter else ""
+
+
 def print_table(rows):
     cols = ["workload", "wall_s", "requests", "output_tok_s", "prefill_tok_s", "decode_batch", "step_ms",
-            "roofline_ms", "step_over_roofline", "hf_output_tok_s", "speedup_vs_hf"]
+            "roofline_ms", "step_over_roofline", "compiles", "hf_output_tok_s", "speedup_vs_hf"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(_fmt(r.get(c, "")) for c in cols))
@@ -179,6 +201,10 @@ def add_parser(sub):
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-requests", type=int, default=512,
                    help="most requests in the HF run: one batch of the largest size that fits")
+    p.add_argument("--breakdown", action="store_true",
+                   help="per step kind: steps, wall, device and host time, Triton compiles")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the 8-request warm-up before each workload (what a new user meets)")
     p.add_argument("--plot", default=None)
     p.add_argument("--json-out", default=None)
     add_engine_args(p)
@@ -194,15 +220,23 @@ def cmd_bench(a):
                                        Path(tempfile.mkdtemp()) / "bench", tokenizer=False)
     bw = copy_bandwidth(device)
     print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s")
-    llm = LLM(str(model), **engine_kwargs(a))
+    with _compiles(device) as startup:
+        t0 = time.perf_counter()
+        llm = LLM(str(model), **engine_kwargs(a))
+    print(f"engine start {time.perf_counter() - t0:.1f} s" + _compiled(startup))
     rows = []
     for name in a.workloads.split(","):
         reqs = workload(name, llm.llm_engine.config.vocab_size, a.scale)
-        run_engine(llm, reqs[: min(len(reqs), 8)])                      # warm-up, same shapes
-        res = run_engine(llm, reqs)
+        if not a.no_warmup:
+            run_engine(llm, reqs[: min(len(reqs), 8)])                  # warm-up, same shapes
+        with _compiles(device) as during:
+            res = run_engine(llm, reqs)
         batch = min(len(reqs), a.max_num_seqs) if name == "throughput" else None
         roof = decode_roofline(res, llm, bw, batch)
-        row = {"workload": name, **res, **roof}
+        if a.breakdown:
+            print_breakdown(name, breakdown(res["step_log"]), during)
+        res.pop("step_log")
+        row = {"workload": name, **res, **roof, "compiles": len(during.compiles) if during else None}
         if a.compare == "hf":
             hf = run_hf(model, reqs, device, llm.llm_engine.dtype, a.hf_requests)
             row.update(hf_output_tok_s=hf["output_tok_s"], hf_batch=hf["batch"],

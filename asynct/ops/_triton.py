@@ -18,3 +18,35 @@ def jit(fn=None, **options):
     if fn is None:
         return lambda f: jit(f, **options)
     return triton.jit(fn, **options) if triton is not None else fn
+
+
+class CompileCounter:
+    """Records every Triton kernel compiled (an in-process JIT cache miss) while active, with
+    its time: the engine compiles everything at start-up, so a run after it expects none."""
+
+    def __init__(self):
+        self.compiles: list[tuple[str, float]] = []
+        self._start = 0.0
+
+    def __enter__(self):
+        import time
+        from triton import knobs
+        self._clock = time.perf_counter
+        self._saved = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc):
+        from triton import knobs
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._saved
+
+    def _before(self, *args, **kwargs):
+        self._start = self._clock()
+        return None     # a true value would skip the compile
+
+    def _after(self, *args, **kwargs):
+        self.compiles.append((kwargs["fn"].name, self._clock() - self._start))
+
+    @property
+    def seconds(self) -> float:
+        return sum(t for _, t in self.compiles)

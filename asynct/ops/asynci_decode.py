@@ -246,7 +246,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=None, prefix_len=None):
+                  max_seq_len=None, prefix_len=None, splits=None):
     """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it.
     `prefix_len` is a hint (shared leading blocks, see asynci_decode_triton): ignoring it is
     always correct, so the references and the CUDA kernel do."""
@@ -257,6 +257,6 @@ def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, r
     fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
     if fn is asynci_decode_triton:
         return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=max_seq_len, prefix_len=prefix_len)
+                  max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits)
     return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-              max_seq_len=max_seq_len)
+              max_seq_len=max_seq_len, splits=splits)

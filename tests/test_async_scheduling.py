@@ -1,0 +1,100 @@
+"""Async scheduling (step N+1 launched before step N is finished) changes nothing a user sees:
+outputs equal the synchronous engine's token for token, whatever ends a sequence."""
+import pytest
+import torch
+
+from asynct import LLM, SamplingParams
+
+from test_engine import assert_all_blocks_free, random_prompts
+
+
+def engines(ckpt, **kw):
+    return {mode: LLM(ckpt, async_scheduling=mode == "async", **kw) for mode in ("sync", "async")}
+
+
+def mixed_params(own: list[int], eos: int, i: int) -> SamplingParams:
+    """Every way a sequence can end or be constrained; `own` is the prompt's greedy output, so
+    its stop tokens and strings are ones it really meets."""
+    if eos in own[1:]:                                           # EOS ends it, or is held back
+        return SamplingParams(temperature=0, max_tokens=12, min_tokens=(i % 2) * (own.index(eos, 1) + 1))
+    return [
+        SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[own[3]]),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, min_tokens=5, stop_token_ids=[own[2]]),
+        SamplingParams(temperature=0.9, max_tokens=10, n=3, seed=7, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=9, prompt_logprobs=1, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[chr(own[5])]),
+    ][i % 7]
+
+
+def summary(outs):
+    return [(o.prompt_token_ids, [(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                                   [sorted(e) for e in c.logprobs or []]) for c in o.outputs],
+             [sorted(e) if e else e for e in o.prompt_logprobs or []]) for o in outs]
+
+
+@pytest.mark.parametrize("setting", [dict(), dict(num_kv_blocks=30, max_num_seqs=12),
+                                     dict(max_num_batched_tokens=33)])
+def test_async_equals_sync(tiny_ckpt, setting):
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(27, 1, 120, seed=5, prefix=range(40))]
+    llms = engines(tiny_ckpt, **setting)
+    greedy = llms["sync"].generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                   use_tqdm=False)
+    own = [o.outputs[0].token_ids for o in greedy]
+    eos = torch.bincount(torch.tensor([t for o in own for t in o[1:]])).argmax().item()
+    params = [mixed_params(o, eos, i) for i, o in enumerate(own)]
+    got = {}
+    for mode, llm in llms.items():
+        llm.llm_engine.eos_token_id = llm.llm_engine.runner.eos_token_id = eos
+        got[mode] = llm.generate(prompts, params, use_tqdm=False)
+        assert_all_blocks_free(llm)
+    assert summary(got["async"]) == summary(got["sync"])
+    for o, p in zip(got["async"], params):
+        assert all(len(c.token_ids) <= p.max_tokens for c in o.outputs)
+    reasons = [c.finish_reason for o in got["async"] for c in o.outputs]
+    assert reasons.count("stop") >= 4 and "length" in reasons
+    if "num_kv_blocks" in setting:
+        assert llms["async"].llm_engine.scheduler.num_preemptions > 0
+
+
+def drive(engine, prompts, params, abort_at):
+    """Steps the engine by hand, streaming, aborting request 'r1' after `abort_at` steps."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params, stream=True)
+    streamed, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).append(list(out.outputs[0].token_ids))
+        steps += 1
+        if steps == abort_at:
+            engine.abort_request("r1")
+    return streamed
+
+
+def test_async_streaming_and_abort(tiny_ckpt):
+    prompts = random_prompts(6, 3, 60, seed=11)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    runs = {mode: drive(llm.llm_engine, prompts, params, abort_at=6)
+            for mode, llm in engines(tiny_ckpt).items()}
+    for rid in runs["sync"]:
+        sync, asyn = runs["sync"][rid], runs["async"][rid]
+        for chunks in (sync, asyn):       # cumulative outputs only ever grow
+            assert all(a == b[:len(a)] for a, b in zip(chunks, chunks[1:]))
+        if rid == "r1":                   # aborted: a prefix of the same tokens
+            assert sync[-1][:len(asyn[-1])] == asyn[-1] or asyn[-1][:len(sync[-1])] == sync[-1]
+        else:
+            assert asyn[-1] == sync[-1] and len(asyn[-1]) == 20
+    for llm in engines(tiny_ckpt).values():
+        assert_all_blocks_free(llm)
+
+
+def test_async_engine_recovers_between_calls(tiny_ckpt):
+    """A step left in flight at the end of one call is finished by the next."""
+    llm = LLM(tiny_ckpt)
+    p = {"prompt_token_ids": [5, 6, 7]}
+    a = llm.generate([p], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    b = llm.generate([p], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+    assert llm.llm_engine.in_flight is None
+    assert_all_blocks_free(llm)
