@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
-# Usage (device tool): bash benchmarks/run_gpu.sh [stages...]   stages: smoke bench engine profile ablation cascade serve eval
+# Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
+#   stages: smoke gputests runtime bench engine profile ablation cascade serve eval
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -17,6 +18,15 @@ for s in $stages; do
   case $s in
     smoke) timeout 150 python3 -m pytest tests/test_engine.py -x -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/smoke.log
            grep -q " passed" $OUT/smoke.log && ! grep -q "failed" $OUT/smoke.log || exit 1 ;;
+    gputests) timeout 300 python3 -m pytest tests/test_gpu_runtime.py tests/test_async_scheduling.py \
+             tests/test_ops_attention.py tests/test_ops_elementwise.py -x -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/gputests.log ;;
+    runtime) # a new user's first run (empty Triton cache, cold process), then the same workloads warm;
+             # then a second process (warm cache) and the synchronous loop for the same-run ratio
+             for flags in "" "--no-async-scheduling"; do
+               timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown $flags \
+                 --workloads gsm8k,gsm8k,throughput,latency --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" \
+                 | tee -a $OUT/runtime.log
+             done ;;
     bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --gpu-memory-utilization 0.45 \
              --plot $OUT/bench.png --json-out $OUT/bench.json 2>&1 | grep -v "^{" | tee $OUT/bench.log ;;
     engine) timeout 200 python3 -m asynct.entrypoints.cli bench --model $M --json-out $OUT/engine.json 2>&1 \

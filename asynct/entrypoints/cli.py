@@ -16,11 +16,14 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--attention-backend", default="auto")
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="finish each step before scheduling the next (debugging, comparisons)")
 
 
 def engine_kwargs(a) -> dict:
     keys = ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "gpu_memory_utilization", "attention_backend", "enforce_eager", "enable_prefix_caching")
+            "gpu_memory_utilization", "attention_backend", "enforce_eager", "enable_prefix_caching",
+            "async_scheduling")
     return {k: getattr(a, k) for k in keys}
 
 

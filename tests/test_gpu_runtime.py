@@ -1,0 +1,46 @@
+"""On a GPU: nothing compiles after start-up, whatever the steps look like; async scheduling
+gives the synchronous loop's tokens in bf16 with CUDA graphs."""
+import pytest
+import torch
+
+from asynct import LLM, SamplingParams
+from asynct.entrypoints.bench import run_engine, workload
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def gqa_ckpt(tmp_path_factory):
+    """Small, but with the bench model's head layout (8 q / 4 KV heads of 128, pool 3)."""
+    from asynct.model.checkpoint import make_checkpoint
+    return make_checkpoint("small", tmp_path_factory.mktemp("gqa"), seed=3, dtype="bfloat16",
+                           hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                           vocab_size=2000)
+
+
+@gpu
+def test_nothing_compiles_after_start_up(gqa_ckpt):
+    from asynct.ops._triton import CompileCounter
+    llm = LLM(gqa_ckpt, max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=0.3)
+    vocab = llm.llm_engine.config.vocab_size
+    with CompileCounter() as counter:
+        for name in ("throughput", "gsm8k", "latency"):
+            run_engine(llm, workload(name, vocab, scale=0.1))
+        sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1, max_tokens=5,
+                                 logprobs=3, prompt_logprobs=2, min_tokens=2, stop_token_ids=[7])
+        llm.generate([{"prompt_token_ids": list(range(1, n))} for n in (2, 17, 300, 1500)], sampled,
+                     use_tqdm=False)
+    assert counter.compiles == [], counter.compiles
+
+
+@gpu
+def test_async_equals_sync_bf16_graphs(gqa_ckpt):
+    prompts = [{"prompt_token_ids": list(range(1 + i, 40 + 13 * i))} for i in range(40)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in (True, False):
+        llm = LLM(gqa_ckpt, async_scheduling=mode, max_num_seqs=32, gpu_memory_utilization=0.3)
+        outs[mode] = [(o.outputs[0].token_ids, [sorted(e) for e in o.outputs[0].logprobs])
+                      for o in llm.generate(prompts, params, use_tqdm=False)]
+        del llm
+    assert outs[True] == outs[False]
