@@ -4,6 +4,7 @@ without waiting for the device, and finishes the step (results to the host) when
 With async scheduling the engine launches step N+1 before it finishes step N: tokens sampled in
 step N stay on the device and become step N+1's inputs there; only their copies to the host
 (pinned, non-blocking) are waited for, one step later."""
+import os
 import time
 from dataclasses import dataclass
 
@@ -59,6 +60,8 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         self.kv_cache = None
+        if self.device.type == "cuda":
+            self._compile_ahead()
         self.graphs = None
         self.use_graphs = (self.device.type == "cuda" and not enforce_eager
                            and self.backend.supports_cuda_graphs)
@@ -84,6 +87,17 @@ class ModelRunner:
         if self.use_graphs and capture:
             self.graphs = CudaGraphRunner(self, self.max_num_seqs)
 
+    def _compile_ahead(self):
+        """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
+        Triton cache: one by one, they were most of the engine's start-up)."""
+        from asynct.ops._triton import compile_only, triton
+        if triton is None:
+            return
+        with compile_only(os.cpu_count() or 4):
+            self.allocate_kv_cache(1, capture=False)
+            self._warmup()
+        self._release_kv_cache()
+
     @torch.inference_mode()
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: a one-token forward (the
@@ -107,11 +121,14 @@ class ModelRunner:
         self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                       torch.arange(n, device=self.device), self.builder.build(step))
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        self._release_kv_cache()
+        return peak
+
+    def _release_kv_cache(self):
         self.kv_cache = None
         for layer in self.model.layers:
             layer.attn.kv_cache = torch.empty(0)
         torch.cuda.empty_cache()
-        return peak
 
     # ---- one step -------------------------------------------------------------------------
     def step_inputs(self, batch: ScheduledBatch):

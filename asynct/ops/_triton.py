@@ -1,5 +1,8 @@
 """Triton, where it is installed. CPU-only installs get stand-ins so that the kernel definitions
 still evaluate, and every op falls back to its torch reference."""
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
 try:
     import triton
     import triton.language as tl
@@ -18,6 +21,26 @@ def jit(fn=None, **options):
     if fn is None:
         return lambda f: jit(f, **options)
     return triton.jit(fn, **options) if triton is not None else fn
+
+
+@contextlib.contextmanager
+def compile_only(workers: int):
+    """Inside, a kernel launch only compiles (nothing runs) and the compiles go to a thread
+    pool; all are done on exit. Running a warm-up pass in here first overlaps the compiles
+    (the compiler's subprocesses and native passes run beside each other)."""
+    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.jit import JITFunction
+    run = JITFunction.run
+
+    def compile_instead(self, *args, grid, warmup, **kwargs):
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.run = compile_instead
+    try:
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool):
+            yield
+    finally:
+        JITFunction.run = run
 
 
 class CompileCounter:
