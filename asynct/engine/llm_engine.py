@@ -9,10 +9,10 @@ import torch
 
 from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
-from asynct.engine.model_runner import ModelRunner
+from asynct.engine.model_runner import ModelRunner, StepOutput
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
-from asynct.engine.scheduler import Scheduler
+from asynct.engine.scheduler import ScheduledBatch, Scheduler
 from asynct.engine.sequence import Sequence
 from asynct.model.checkpoint import prepare_config_for_load
 
@@ -114,6 +114,8 @@ class LLMEngine:
                     stream: bool = False) -> Request:
         """Validates and queues a request; raises ValueError naming the problem."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -131,6 +133,8 @@ class LLMEngine:
             if self.detokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
             return prompt, self.detokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt token ids must be integers")
@@ -156,21 +160,65 @@ class LLMEngine:
         if not batch.seqs:
             return []
         t0 = time.perf_counter()
-        out = self.runner.run(batch)
+        out, failed = self._run(batch)
         self._count(batch, time.perf_counter() - t0)
         touched = {}
         for seq, n, token, lp, plp in zip(batch.seqs, batch.num_tokens, out.tokens, out.logprobs,
                                           out.prompt_logprobs):
-            seq.num_computed_tokens += n
-            if seq.prompt_logprobs is not None:
-                seq.prompt_logprobs.extend(plp)
-            self.block_manager.commit_full_blocks(seq)
-            if token is not None and not seq.is_finished:
-                self._append(seq, token, lp)
+            if seq.request_id in failed:
+                continue
+            try:
+                self._advance(seq, n, token, lp, plp)
+            except Exception as e:
+                failed[seq.request_id] = self._failure(seq, e)
+                continue
             req = self.requests[seq.request_id]
             if req.stream or req.finished:
                 touched[seq.request_id] = req
-        return [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for rid, req in touched.items() if rid not in failed]
+        return outputs + [self._fail_request(self.requests[rid], msg) for rid, msg in failed.items()
+                          if rid in self.requests]
+
+    def _advance(self, seq: Sequence, n: int, token, lp, plp):
+        seq.num_computed_tokens += n
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs.extend(plp)
+        self.block_manager.commit_full_blocks(seq)
+        if token is not None and not seq.is_finished:
+            self._append(seq, token, lp)
+
+    # ---- one request's failure stays its own ------------------------------------------------------
+    def _run(self, batch: ScheduledBatch) -> tuple[StepOutput, dict[str, str]]:
+        """The batch in one go; if that raises, each sequence alone (rewriting the same K/V), so
+        that only the requests that raise alone fail. Returns the output and {request id: why}."""
+        try:
+            return self.runner.run(batch), {}
+        except Exception:
+            log.exception("a step of %d sequences failed; running them one by one", len(batch.seqs))
+        parts, failed = [], {}
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            try:
+                parts.append(self.runner.run(ScheduledBatch([seq], [n], int(n == 1))))
+            except Exception as e:
+                failed[seq.request_id] = self._failure(seq, e)
+                parts.append(StepOutput([None], [None], [[]]))
+        return StepOutput(*([x for p in parts for x in getattr(p, f)] for f in
+                            ("tokens", "logprobs", "prompt_logprobs"))), failed
+
+    @staticmethod
+    def _failure(seq: Sequence, e: Exception) -> str:
+        log.error("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
+        return f"engine error in this request: {type(e).__name__}: {e}"
+
+    def _fail_request(self, req: Request, message: str) -> RequestOutput:
+        """Finishes every sequence of `req` with finish_reason "error" and frees its blocks."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        self.requests.pop(req.request_id, None)
+        # no text: the detokenizer may be what failed
+        outs = [CompletionOutput(s.index, "", s.output_token_ids, None, None, "error", message) for s in req.seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, outs, True, error=message)
 
     def _count(self, batch, seconds):
         self.stats["steps"] += 1
@@ -233,8 +281,9 @@ class LLMEngine:
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
-    """Raises ValueError naming what is wrong with a tokenized prompt (also run by the server's
-    front end, which holds no engine)."""
+    """Raises ValueError naming what is wrong with a tokenized prompt or with sampling values
+    that do not fit this model (also run by the server's front end, which holds no engine)."""
+    params.check_model(vocab_size)
     if not ids:
         raise ValueError("the prompt is empty")
     if min(ids) < 0 or max(ids) >= vocab_size:
