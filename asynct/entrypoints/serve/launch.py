@@ -67,17 +67,22 @@ def guarded_protocol(limits: ServerLimits):
     class GuardedProtocol(Base):
         def connection_made(self, transport):
             super().connection_made(transport)
+            self.deadline_for = None
             if len(self.connections) > limits.max_connections:
                 transport.close()
             else:
                 self._expect_request()
 
-        def on_response_complete(self):
-            super().on_response_complete()
-            self._expect_request()
+        def data_received(self, data):
+            # the first bytes of a next request on a kept-alive connection start its clock (an idle
+            # connection is uvicorn's keep-alive timeout's to close)
+            if self.cycle is not None and self.cycle.response_complete and self.deadline_for is not self.cycle:
+                self._expect_request()
+            super().data_received(data)
 
         def _expect_request(self):
             # a new request replaces self.cycle once its headers are in
+            self.deadline_for = self.cycle
             self.loop.call_later(limits.header_timeout, self._request_due, self.cycle)
 
         def _request_due(self, cycle):
