@@ -160,10 +160,52 @@ def test_generation_stops_at_max_model_len(tiny_ckpt):
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
                                  dict(min_p=2), dict(n=0), dict(logprobs=-1), dict(stop=[""]),
-                                 dict(min_tokens=5, max_tokens=2), dict(seed="x")])
+                                 dict(min_tokens=5, max_tokens=2), dict(seed="x"),
+                                 # wrong types and values outside what the dtypes hold (issue 17)
+                                 dict(stop=5), dict(stop_token_ids=5), dict(stop_token_ids=[True]),
+                                 dict(seed=2**64), dict(seed=-2**63 - 1), dict(top_k=2**63),
+                                 dict(temperature=float("inf")), dict(temperature=float("nan")),
+                                 dict(temperature=10**400), dict(n=True), dict(ignore_eos="no"),
+                                 dict(max_tokens="3"), dict(seed=4.0), dict(logprobs=True)])
 def test_invalid_sampling_params(bad):
     with pytest.raises(ValueError, match="invalid SamplingParams"):
         SamplingParams(**bad)
+
+
+def test_tiny_temperature_is_greedy():
+    """As vLLM: below 1e-5, logits / temperature overflows float32, so it means greedy."""
+    assert SamplingParams(temperature=1e-50).greedy and not SamplingParams(temperature=1e-4).greedy
+
+
+# each fits SamplingParams but not the tiny model (vocabulary 259), or broke the step before issue 17
+BREAKERS = [dict(min_tokens=2, stop_token_ids=[99999]), dict(logprobs=300), dict(prompt_logprobs=300),
+            dict(top_k=2**40, top_p=0.9), dict(seed=2**64 - 1), dict(seed=-2**63)]
+
+
+@pytest.mark.parametrize("bad", BREAKERS, ids=[str(b) for b in BREAKERS])
+def test_offline_llm_keeps_working_after_a_bad_request(tiny_ckpt, llm_shared, bad):
+    """The bad request fails alone; its neighbour and every later call are served."""
+    outs = llm_shared.generate(["hi", {"prompt": "hi"}], [GREEDY, SamplingParams(max_tokens=6, **bad)],
+                               use_tqdm=False)
+    assert outs[0].error is None and len(outs[0].outputs[0].token_ids) == 8
+    if bad.get("seed") is None:
+        assert "vocabulary" in outs[1].error and outs[1].outputs[0].finish_reason == "error"
+    assert llm_shared.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    assert_all_blocks_free(llm_shared)
+
+
+@pytest.mark.parametrize("prompt", [{"prompt_token_ids": 5}, {"prompt_token_ids": None}, {"prompt": 5}, 3.5,
+                                    {"prompt_token_ids": [1, "2"]}, {}])
+def test_malformed_prompt_fails_alone(llm_shared, prompt):
+    outs = llm_shared.generate([prompt, "hi"], GREEDY, use_tqdm=False)
+    assert outs[0].error and outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 8
+    assert_all_blocks_free(llm_shared)
+
+
+@pytest.fixture(scope="module")
+def llm_shared(tiny_ckpt):
+    return LLM(tiny_ckpt)
 
 
 def test_abort_frees_blocks_and_n_samples(tiny_ckpt):
@@ -257,3 +299,29 @@ def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
         runs[name] = [o.outputs[0].token_ids for o in outs]
         del llm
     assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
+
+
+POISON = -17     # a seed that marks the sequence whose sampling is made to raise
+
+
+def poisoned_sample(logits, seqs, eos_token_id=None):
+    from asynct.engine.sampler import sample
+    if any(s.params.seed == POISON for s in seqs):
+        raise RuntimeError("injected sampling failure")
+    return sample(logits, seqs, eos_token_id)
+
+
+def test_sampling_failure_fails_its_request_alone(llm_shared, monkeypatch):
+    """Defence behind validation: a sequence whose sampling raises fails its own request (error
+    output, blocks freed); the rest of the step finishes unharmed, and the LLM serves on."""
+    prompts = ["one", "two", "three"]
+    want = [o.outputs[0].token_ids for o in llm_shared.generate(prompts, GREEDY, use_tqdm=False)]
+    monkeypatch.setattr("asynct.engine.model_runner.sample", poisoned_sample)
+    poisoned = SamplingParams(temperature=0, max_tokens=8, seed=POISON, n=2)
+    outs = llm_shared.generate([prompts[0], "bad", prompts[1], prompts[2]], [GREEDY, poisoned, GREEDY, GREEDY],
+                               use_tqdm=False)
+    assert "injected sampling failure" in outs[1].error
+    assert [o.finish_reason for o in outs[1].outputs] == ["error", "error"]
+    assert [o.outputs[0].token_ids for o in outs[:1] + outs[2:]] == want
+    assert_all_blocks_free(llm_shared)
+    assert llm_shared.generate(prompts, GREEDY, use_tqdm=False)[2].outputs[0].token_ids == want[2]

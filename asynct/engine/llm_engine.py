@@ -12,7 +12,7 @@ from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
-from asynct.engine.scheduler import Scheduler
+from asynct.engine.scheduler import ScheduledBatch, Scheduler
 from asynct.engine.sequence import Sequence
 from asynct.model.checkpoint import prepare_config_for_load
 
@@ -128,6 +128,8 @@ class LLMEngine:
                     stream: bool = False) -> Request:
         """Validates and queues a request; raises ValueError naming the problem."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -145,6 +147,8 @@ class LLMEngine:
             if self.detokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
             return prompt, self.detokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
         ids = list(prompt)
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise ValueError("prompt token ids must be integers")
@@ -169,7 +173,11 @@ class LLMEngine:
         Returns the outputs of requests that finished, and of streaming requests that progressed."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
-        launched = self.runner.launch(batch) if batch.seqs else None
+        try:
+            launched = self.runner.launch(batch) if batch.seqs else None
+        except Exception:
+            log.exception("a step of %d sequences failed; running them one by one", len(batch.seqs))
+            return self._step_one_by_one(batch)
         if launched is not None:
             self._advance(launched)
         if self.args.async_scheduling:
@@ -197,21 +205,67 @@ class LLMEngine:
         batch = launched.batch
         out = self.runner.finish(launched)
         self._count(batch)
-        touched = {}
+        touched, failed = {}, {}
         for seq, token, lp, plp in zip(batch.seqs, out.tokens, out.logprobs, out.prompt_logprobs):
-            if seq.prompt_logprobs is not None:
-                seq.prompt_logprobs.extend(plp)
-            if token is not None:
-                seq.num_pending_tokens -= 1
-                if seq.is_finished:     # ended (stop, abort) while this step was in flight
-                    continue
-                self._append(seq, token, lp)
-            if not seq.is_finished:
-                self.block_manager.commit_full_blocks(seq)
+            try:
+                self._finish_seq(seq, token, lp, plp)
+            except Exception as e:
+                failed[seq.request_id] = self._failure(seq, e)
+                continue
             req = self.requests.get(seq.request_id)
             if req is not None and (req.stream or req.finished):
                 touched[seq.request_id] = req
-        return [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for rid, req in touched.items() if rid not in failed]
+        return outputs + [self._fail_request(self.requests[rid], msg) for rid, msg in failed.items()
+                          if rid in self.requests]
+
+    def _finish_seq(self, seq: Sequence, token, lp, plp):
+        if seq.prompt_logprobs is not None:
+            seq.prompt_logprobs.extend(plp)
+        if token is not None:
+            seq.num_pending_tokens -= 1
+            if seq.is_finished:     # ended (stop, abort, error) while this step was in flight
+                return
+            self._append(seq, token, lp)
+        if not seq.is_finished:
+            self.block_manager.commit_full_blocks(seq)
+
+    # ---- one request's failure stays its own ------------------------------------------------------
+    def _step_one_by_one(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The batch raised while launching: finish the step in flight (its tokens become host
+        tokens), then run each sequence alone, so that only the requests that raise alone fail."""
+        outputs = {}
+        if self.in_flight is not None:
+            outputs.update((o.request_id, o) for o in self._finish(self.in_flight))
+            self.in_flight = None
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            if seq.is_finished:
+                continue
+            try:
+                launched = self.runner.launch(ScheduledBatch([seq], [n], int(n == 1)))
+            except Exception as e:
+                req = self.requests.get(seq.request_id)
+                if req is not None:
+                    outputs[req.request_id] = self._fail_request(req, self._failure(seq, e))
+                continue
+            self._advance(launched)
+            outputs.update((o.request_id, o) for o in self._finish(launched))
+        return list(outputs.values())
+
+    @staticmethod
+    def _failure(seq: Sequence, e: Exception) -> str:
+        log.error("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
+        return f"engine error in this request: {type(e).__name__}: {e}"
+
+    def _fail_request(self, req: Request, message: str) -> RequestOutput:
+        """Finishes every sequence of `req` with finish_reason "error" and frees its blocks."""
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+        self.requests.pop(req.request_id, None)
+        # no text: the detokenizer may be what failed
+        outs = [CompletionOutput(s.index, "", s.output_token_ids, None, None, "error", message) for s in req.seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, outs, True, error=message)
 
     def _count(self, batch):
         self.stats["steps"] += 1
@@ -284,8 +338,9 @@ class LLMEngine:
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
-    """Raises ValueError naming what is wrong with a tokenized prompt (also run by the server's
-    front end, which holds no engine)."""
+    """Raises ValueError naming what is wrong with a tokenized prompt or with sampling values
+    that do not fit this model (also run by the server's front end, which holds no engine)."""
+    params.check_model(vocab_size)
     if not ids:
         raise ValueError("the prompt is empty")
     if min(ids) < 0 or max(ids) >= vocab_size:

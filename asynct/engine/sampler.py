@@ -10,7 +10,7 @@ from asynct.engine.sequence import Sequence
 
 def _filter_top_k_top_p_min_p(logits, seqs):
     """Masks, per row, tokens outside top-k, outside the top-p nucleus, or under min-p."""
-    top_k = [s.params.top_k or logits.shape[1] for s in seqs]
+    top_k = [min(s.params.top_k or logits.shape[1], logits.shape[1]) for s in seqs]
     top_p = [s.params.top_p for s in seqs]
     min_p = [s.params.min_p for s in seqs]
     if all(k >= logits.shape[1] for k in top_k) and all(p >= 1 for p in top_p) and not any(min_p):
@@ -34,7 +34,7 @@ def _exponential_noise(probs, seqs):
         if s.params.seed is not None:
             if s.generator is None:
                 s.generator = torch.Generator(device=probs.device)
-                s.generator.manual_seed(s.params.seed + 7919 * s.index)
+                s.generator.manual_seed((s.params.seed + 7919 * s.index) % 2**64)   # wraps into 64 bits
             noise[i].exponential_(generator=s.generator)
     return noise
 

@@ -1,5 +1,12 @@
-"""`SamplingParams`, as in vLLM; every value is checked when it is made, before any work starts."""
+"""`SamplingParams`, as in vLLM; every value is checked when it is made, before any work starts.
+Types are strict: a bool is not an integer and a string is not a number."""
+import math
 from dataclasses import dataclass, field
+
+# vLLM's threshold: below it, logits / temperature overflows float32 (NaN), so it means greedy
+GREEDY_TEMPERATURE = 1e-5
+INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
+INT64_END = 2**63
 
 
 @dataclass
@@ -22,34 +29,69 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
-        problems = [msg for bad, msg in self._checks() if bad]
+        problems = [msg for bad, msg in self._type_checks() if bad]
+        if not problems:
+            self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+            self.stop_token_ids = list(self.stop_token_ids or [])
+            self.top_k = 0 if self.top_k == -1 else self.top_k
+            problems = [msg for bad, msg in self._checks() if bad]
         if problems:
             raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+
+    def _type_checks(self):
+        """Wrong types, found before anything is converted (list(5) would raise TypeError)."""
+        return [
+            (not _is_int(self.n), f"n must be an integer, got {self.n!r:.40}"),
+            (not _is_real(self.temperature), f"temperature must be a finite number, got {self.temperature!r:.40}"),
+            (not _is_real(self.top_p), f"top_p must be a finite number, got {self.top_p!r:.40}"),
+            (not _is_real(self.min_p), f"min_p must be a finite number, got {self.min_p!r:.40}"),
+            (not _is_int(self.top_k), f"top_k must be an integer, got {self.top_k!r:.40}"),
+            (not _is_int(self.min_tokens), f"min_tokens must be an integer, got {self.min_tokens!r:.40}"),
+            *[(v is not None and not _is_int(v), f"{name} must be an integer or None, got {v!r:.40}")
+              for name, v in (("seed", self.seed), ("max_tokens", self.max_tokens), ("logprobs", self.logprobs),
+                              ("prompt_logprobs", self.prompt_logprobs))],
+            *[(not isinstance(v, bool), f"{name} must be a bool, got {v!r:.40}")
+              for name, v in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
+                              ("include_stop_str_in_output", self.include_stop_str_in_output))],
+            (not (self.stop is None or isinstance(self.stop, str) or _list_of(self.stop, str)),
+             f"stop must be a string or a list of strings, got {self.stop!r:.40}"),
+            (not (self.stop_token_ids is None or _list_of(self.stop_token_ids, int)),
+             f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r:.40}"),
+        ]
 
     def _checks(self):
         return [
-            (not isinstance(self.n, int) or self.n < 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (not _num(self.temperature) or self.temperature < 0, f"temperature must be >= 0, got {self.temperature!r}"),
-            (not _num(self.top_p) or not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (not isinstance(self.top_k, int) or self.top_k < 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}"),
-            (not _num(self.min_p) or not 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1),
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (not isinstance(self.min_tokens, int) or self.min_tokens < 0, f"min_tokens must be >= 0, got {self.min_tokens!r}"),
-            (self.max_tokens is not None and isinstance(self.min_tokens, int) and self.min_tokens > self.max_tokens,
+            (self.n < 1, f"n must be >= 1, got {self.n}"),
+            (self.temperature < 0, f"temperature must be >= 0, got {self.temperature}"),
+            (not 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (not 0 <= self.top_k < INT64_END, f"top_k must be -1, 0 or a positive integer, got {self.top_k}"),
+            (not 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (self.max_tokens is not None and self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.min_tokens < 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
+            (self.max_tokens is not None and self.min_tokens > self.max_tokens,
              f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}"),
-            (self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0),
-             f"logprobs must be an integer >= 0, got {self.logprobs!r}"),
-            (self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0),
-             f"prompt_logprobs must be an integer >= 0, got {self.prompt_logprobs!r}"),
-            (self.seed is not None and not isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
-            (any(not isinstance(s, str) or not s for s in self.stop_list), "stop strings must be non-empty strings"),
-            (any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+            (self.logprobs is not None and self.logprobs < 0, f"logprobs must be >= 0, got {self.logprobs}"),
+            (self.prompt_logprobs is not None and self.prompt_logprobs < 0,
+             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
+            (self.seed is not None and not INT64_MIN <= self.seed < UINT64_END,
+             f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}"),
+            (any(not s for s in self.stop_list), "stop strings must be non-empty strings"),
+            (any(not 0 <= t < INT64_END for t in self.stop_token_ids), "stop_token_ids must be token ids"),
         ]
+
+    def check_model(self, vocab_size: int):
+        """Raises ValueError where a value does not fit the model's vocabulary."""
+        problems = [
+            (self.top_k > vocab_size, f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}"),
+            (any(t >= vocab_size for t in self.stop_token_ids),
+             f"stop_token_ids must be below the vocabulary size {vocab_size}"),
+            (self.max_logprobs > vocab_size, f"logprobs={self.max_logprobs} exceeds the vocabulary size {vocab_size}"),
+        ]
+        bad = [msg for is_bad, msg in problems if is_bad]
+        if bad:
+            raise ValueError("; ".join(bad))
 
     @property
     def greedy(self) -> bool:
@@ -60,5 +102,16 @@ class SamplingParams:
         return max(self.logprobs or 0, self.prompt_logprobs or 0)
 
 
-def _num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    try:
+        return (isinstance(x, float) or _is_int(x)) and math.isfinite(float(x))
+    except OverflowError:      # an int beyond float range
+        return False
+
+
+def _list_of(xs, kind) -> bool:
+    return isinstance(xs, (list, tuple)) and all(isinstance(x, kind) and not isinstance(x, bool) for x in xs)

@@ -43,7 +43,11 @@ class LLM:
             except ValueError as e:
                 log.warning("request %s failed: %s", rid, e)
                 results[rid] = _error_output(rid, prompt, str(e))
-        self._run(results, len(prompts), use_tqdm)
+        try:
+            self._run(results, len(prompts), use_tqdm)
+        finally:        # a call that raised leaves nothing queued to haunt the next one
+            for rid in ids:
+                self.llm_engine.abort_request(rid)
         return [results[r] for r in ids]
 
     def _run(self, results, total, use_tqdm):
@@ -63,18 +67,16 @@ class LLM:
 def _prompt_input(prompt):
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, dict):
-        if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
+    if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
+        return prompt.get("prompt_token_ids", prompt.get("prompt"))     # the engine checks its type
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
     raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
 
 def _error_output(rid, prompt, message) -> RequestOutput:
-    ids = prompt.get("prompt_token_ids", []) if isinstance(prompt, dict) else []
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+    ids = ids if isinstance(ids, list) else []
     text = prompt if isinstance(prompt, str) else None
     return RequestOutput(rid, text, list(ids), None,
                          [CompletionOutput(0, "", [], None, None, "error", message)], True, error=message)

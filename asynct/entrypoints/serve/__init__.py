@@ -2,6 +2,8 @@
 lives here, so `asynct --help` works without the serving extras installed."""
 import os
 
+from asynct.entrypoints.serve.limits import ServerLimits
+
 
 def add_parser(sub):
     from asynct.entrypoints.cli import add_engine_args
@@ -16,11 +18,36 @@ def add_parser(sub):
                    help="requests that may wait beyond the running batch (--max-num-seqs); more get 429 "
                         "(default: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    add_limit_args(p)
     p.add_argument("--log-level", default="info")
     p.add_argument("--access-log", action="store_true", help="log every request (slows heavy load)")
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve)
     return p
+
+
+def add_limit_args(p):
+    d = ServerLimits()
+    g = p.add_argument_group("limits (docs/serving.md)")
+    g.add_argument("--max-n", type=int, default=d.max_n, help="most completions one request may ask for")
+    g.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="longer text prompts get 400 before tokenising (default: the most characters "
+                        "max_model_len tokens can spell)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
+    g.add_argument("--render-timeout", type=float, default=d.render_timeout,
+                   help="seconds to tokenise a prompt or render a chat template; then 400")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help="seconds a connection has to send a request's headers; then it is closed")
+    g.add_argument("--keep-alive-timeout", type=int, default=d.keep_alive_timeout,
+                   help="seconds an idle keep-alive connection stays open")
+    g.add_argument("--max-connections", type=int, default=d.max_connections,
+                   help="open connections; more are closed at once")
+
+
+def server_limits(a):
+    return ServerLimits(a.max_n, a.max_prompt_chars, a.trust_request_chat_template, a.render_timeout,
+                        a.header_timeout, a.keep_alive_timeout, a.max_connections)
 
 
 def cmd_serve(a):
@@ -30,10 +57,11 @@ def cmd_serve(a):
 
     from asynct.entrypoints.cli import engine_kwargs
     from asynct.entrypoints.serve.api_server import make_app
+    from asynct.entrypoints.serve.launch import connection_options
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     app = make_app(a.model, a.served_model_name, a.api_key, a.max_queued_requests, a.max_request_bytes,
-                   **engine_kwargs(a))
+                   limits=server_limits(a), **engine_kwargs(a))
     uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **connection_options(app))

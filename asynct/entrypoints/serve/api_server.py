@@ -15,6 +15,7 @@ from asynct.entrypoints.serve.completions import create_completion
 from asynct.entrypoints.serve.metrics import render_metrics
 from asynct.entrypoints.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
+from asynct.entrypoints.serve.limits import ServerLimits
 from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
 
 log = logging.getLogger("asynct.serve")
@@ -30,7 +31,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: i
         ctx.engine.stop()
 
     app = FastAPI(title="asynct", lifespan=lifespan)
-    app.state.ctx, app.state.http_counts = ctx, Counter()
+    app.state.ctx, app.state.http_counts, app.state.limits = ctx, Counter(), ctx.limits
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, counts=app.state.http_counts)
     add_error_handlers(app)
     add_routes(app, ctx)
@@ -68,9 +69,9 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         ctx.check_model(body.model)
         ctx.need_tokenizer("/tokenize")
         if body.messages is not None:
-            ids = render_chat(ctx, body.messages, body.add_generation_prompt)
+            ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await ctx.off_loop(ctx.encode, body.prompt, body.add_special_tokens)
         else:
             raise ApiError(400, "give prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
@@ -113,14 +114,12 @@ def add_error_handlers(app: FastAPI):
         return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def crash(request, e: Exception):
-        log.exception("unhandled error in %s", request.url.path)
-        return JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)
 
 
 class Guard:
-    """Pure ASGI (so streaming is untouched): API key, body-size limit, response counts."""
+    """Pure ASGI (so streaming is untouched): API key, body-size limit, response counts, and the
+    500 for an unhandled error (here rather than in Starlette's outermost handler, so that it is
+    counted and the connection stays open)."""
 
     def __init__(self, app, api_key, max_body_bytes, counts):
         self.app, self.api_key, self.max_body_bytes, self.counts = app, api_key, max_body_bytes, counts
@@ -129,8 +128,12 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
 
+        started = False
+
         async def counted_send(msg):
+            nonlocal started
             if msg["type"] == "http.response.start":
+                started = True
                 self.counts[msg["status"]] += 1
             await send(msg)
 
@@ -150,7 +153,14 @@ class Guard:
                 raise HTTPException(413, f"the request body exceeds {self.max_body_bytes} bytes")
             return msg
 
-        await self.app(scope, limited_receive, counted_send)
+        try:
+            await self.app(scope, limited_receive, counted_send)
+        except Exception as e:
+            log.exception("unhandled error in %s", scope["path"])
+            if started:           # mid-response: all that is left is to drop the connection
+                raise
+            await JSONResponse(error_body(500, f"internal error: {type(e).__name__}"), status_code=500)(
+                scope, receive, counted_send)
 
     def _check(self, path: str, headers: dict):
         if self.api_key and path.startswith(PROTECTED):
@@ -166,10 +176,10 @@ class Guard:
 
 def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,
              max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
-             **engine_kwargs) -> FastAPI:
+             limits: ServerLimits | None = None, **engine_kwargs) -> FastAPI:
     """Starts the engine process and waits for its model (the slow part), then builds the app.
     `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it)."""
     from asynct.engine.llm_engine import EngineArgs, LLMEngine
     engine = AsyncEngine(EngineArgs(model=str(model), **engine_kwargs), max_queued_requests, make_engine or LLMEngine)
-    ctx = ServingContext(engine, str(model), served_model_name)
+    ctx = ServingContext(engine, str(model), served_model_name, limits)
     return build_app(ctx, api_key, max_body_bytes)

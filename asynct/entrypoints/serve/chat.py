@@ -1,5 +1,7 @@
 """/v1/chat/completions: the messages go through the tokenizer's chat template, then the same
-engine path as completions."""
+engine path as completions. Rendering runs in a worker thread with a time limit (the caller's
+`ctx.off_loop`); a template sent in the request is rendered only where the server trusts them."""
+import inspect
 import time
 
 from fastapi import Request
@@ -16,6 +18,7 @@ def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwarg
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template, so /v1/chat/completions "
                             "cannot format messages: use /v1/completions with a prompt")
+    check_template_kwargs(ctx, kwargs or {})
     try:
         msgs = [m.for_template() for m in messages]
         text = ctx.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
@@ -24,16 +27,30 @@ def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwarg
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
         raise ApiError(400, f"the chat template failed on these messages: {e}") from None
-    return ctx.detok.encode(text)
+    return ctx.encode(text)
+
+
+def check_template_kwargs(ctx: ServingContext, kwargs: dict):
+    """chat_template_kwargs are the template's variables; they may not set apply_chat_template's
+    own arguments, and a template of the client's own needs --trust-request-chat-template (a
+    template is a program: it can loop for hours)."""
+    if "chat_template" in kwargs and not ctx.limits.trust_request_chat_template:
+        raise ApiError(400, "this server does not render chat templates sent in requests "
+                            "(start it with --trust-request-chat-template to allow them)", param="chat_template")
+    reserved = set(inspect.signature(ctx.tokenizer.apply_chat_template).parameters) - {"chat_template", "tools", "documents", "kwargs"}
+    clash = sorted(reserved & set(kwargs))
+    if clash:
+        raise ApiError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
+    ctx.check_n(body.n)
     try:
         params = body.to_params()
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    ids = render_chat(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
     ctx.check_prompt(ids, params)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)

@@ -14,12 +14,13 @@ from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
+    ctx.check_n(body.n)
     try:
         params = body.to_params()
         prompts = body.prompts()
     except ValueError as e:
         raise ApiError(400, str(e)) from None
-    ids = [ctx.encode(p) for p in prompts]
+    ids = await ctx.off_loop(lambda: [ctx.encode(p) for p in prompts])
     for p in ids:
         ctx.check_prompt(p, params)
     texts = [p if isinstance(p, str) else ctx.decode(i, False) for p, i in zip(prompts, ids)]

@@ -76,11 +76,17 @@ class EngineCore:
 
     def _step(self):
         try:
-            deltas = [self._delta(o) for o in self.engine.step()]
+            outs = self.engine.step()
+            failed = [(o.request_id, o.error, 500) for o in outs if o.error]
+            deltas = [self._delta(o) for o in outs if not o.error]
         except Exception as e:         # a bug, not bad input: fail what runs, keep serving
             log.exception("engine step failed")
             self._abort_all(f"engine error: {e}")
             return
+        for rid, _, _ in failed:       # the engine failed these alone (LLMEngine._fail_request)
+            self.sent.pop(rid, None)
+        if failed:
+            self.outbox.send(("errors", failed))
         self.outbox.send(("outputs", deltas, snapshot(self.engine)))
 
     def _abort_all(self, message: str):

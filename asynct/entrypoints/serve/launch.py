@@ -11,6 +11,8 @@ from pathlib import Path
 
 import httpx
 
+from asynct.entrypoints.serve.limits import ServerLimits
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -27,7 +29,8 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, backlog=4096)
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, backlog=4096,
+                                **connection_options(app))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
@@ -45,6 +48,48 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=30)
         self.sock.close()
+
+
+def connection_options(app) -> dict:
+    """uvicorn's settings for the app's ServerLimits."""
+    limits = getattr(app.state, "limits", None) or ServerLimits()
+    return {"http": guarded_protocol(limits), "timeout_keep_alive": limits.keep_alive_timeout}
+
+
+def guarded_protocol(limits: ServerLimits):
+    """uvicorn's HTTP protocol plus what it lacks: a deadline for each request's headers, and a
+    cap on open connections (each holds a file descriptor, slow or not)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base
+
+    class GuardedProtocol(Base):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.deadline_for = None
+            if len(self.connections) > limits.max_connections:
+                transport.close()
+            else:
+                self._expect_request()
+
+        def data_received(self, data):
+            # the first bytes of a next request on a kept-alive connection start its clock (an idle
+            # connection is uvicorn's keep-alive timeout's to close)
+            if self.cycle is not None and self.cycle.response_complete and self.deadline_for is not self.cycle:
+                self._expect_request()
+            super().data_received(data)
+
+        def _expect_request(self):
+            # a new request replaces self.cycle once its headers are in
+            self.deadline_for = self.cycle
+            self.loop.call_later(limits.header_timeout, self._request_due, self.cycle)
+
+        def _request_due(self, cycle):
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+    return GuardedProtocol
 
 
 class ServerProcess:

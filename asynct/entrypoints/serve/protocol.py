@@ -1,27 +1,43 @@
 """Request bodies of the OpenAI-compatible API and their translation to `SamplingParams`.
 Unknown fields are ignored (clients send vendor extras); known ones that asynct cannot honour
-are refused with a 400 rather than silently dropped."""
+are refused with a 400 rather than silently dropped. Types are strict, as OpenAI's API: "3" is not
+a number, 1 is not a bool, and NaN, Infinity and lone surrogates ("\ud800") are refused."""
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from asynct.engine.sampling_params import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0      # OpenAI's cap
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 TokenIds = list[StrictInt]
 
 
+class Body(BaseModel):
+    """A whole request body: every string in it, keys and unknown fields included, is checked
+    once for valid Unicode (a lone surrogate cannot be tokenised, nor written back as UTF-8)."""
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        bad = first_invalid_unicode(data)
+        if bad is not None:
+            raise ValueError(f"{bad} is not valid Unicode (it holds a lone surrogate)")
+        return data
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class SamplingFields(Body):
     model: str | None = None
     n: int = 1
-    temperature: float | None = None
+    temperature: float | None = Field(None, le=MAX_TEMPERATURE)
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
@@ -93,13 +109,13 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")     # tool_calls, name, ...: passed to the template
+    model_config = {**STRICT, "extra": "allow"}     # tool_calls, name, ...: passed to the template
     role: str
     content: str | list[TextPart] | None = None
 
@@ -129,8 +145,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -138,10 +153,28 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: TokenIds
+
+
+def first_invalid_unicode(data) -> str | None:
+    """The path of the first string in parsed JSON that UTF-8 cannot encode, or None. A stack,
+    not recursion: the JSON may nest as deep as its parser allows."""
+    stack = [("body", data)]
+    while stack:
+        path, x = stack.pop()
+        if isinstance(x, str):
+            try:
+                x.encode("utf-8")
+            except UnicodeEncodeError:
+                return path
+        elif isinstance(x, dict):
+            # keys go on top: a path names only keys already found valid
+            stack += [(f"{path}.{k}", v) for k, v in x.items()] + [(f"{path} key", k) for k in x]
+        elif isinstance(x, list):
+            stack += [(f"{path}[{i}]", v) for i, v in enumerate(x)]
+    return None
 
 
 def _or(value, default):

@@ -2,6 +2,8 @@
 to the end while watching for the client to leave, and OpenAI's error bodies and SSE framing."""
 import asyncio
 import json
+import queue
+import threading
 import time
 import uuid
 
@@ -10,6 +12,7 @@ from fastapi import Request
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.sampling_params import SamplingParams
 from asynct.entrypoints.serve.async_engine import AsyncEngine, EngineError, QueueFull, RequestHandle
+from asynct.entrypoints.serve.limits import ServerLimits
 
 
 class ApiError(Exception):
@@ -29,16 +32,74 @@ def error_body(status: int, message: str, code=None, param=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
 
 
+class Workers:
+    """Daemon threads that tokenise and render chat templates off the event loop. Daemons, so
+    that work which never ends cannot keep the process from exiting."""
+
+    def __init__(self, num_threads: int = 4):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(num_threads):
+            threading.Thread(target=self._work, name=f"asynct-render-{i}", daemon=True).start()
+
+    async def run(self, timeout: float, fn, *args):
+        """fn(*args) in a worker; raises TimeoutError after `timeout` seconds (the worker runs on)."""
+        future = asyncio.get_running_loop().create_future()
+        self.jobs.put((future, fn, args))
+        return await asyncio.wait_for(future, timeout)
+
+    def _work(self):
+        while True:
+            future, fn, args = self.jobs.get()
+            try:
+                result, error = fn(*args), None
+            except Exception as e:
+                result, error = None, e
+            try:
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+            except RuntimeError:      # the loop closed meanwhile
+                pass
+
+
+def _settle(future, result, error):
+    if future.done():                 # timed out and cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class ServingContext:
-    def __init__(self, engine: AsyncEngine, model_dir: str, served_model_name: str | None):
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine, model_dir: str, served_model_name: str | None,
+                 limits: ServerLimits | None = None):
+        self.engine, self.limits = engine, limits or ServerLimits()
+        self.workers = Workers()
         self.model_name = served_model_name or model_dir
         self.aliases = {self.model_name, model_dir}
         # the front end's own tokenizer: the engine's lives in the engine process
         self.detok = Detokenizer.from_path(engine.args.tokenizer or model_dir)
         self.tokenizer = self.detok.tokenizer if self.detok else None
         self.max_model_len = engine.max_model_len
+        self.max_prompt_chars = self.limits.max_prompt_chars or self._prompt_chars_that_fit()
         self.created = int(time.time())
+
+    def _prompt_chars_that_fit(self) -> int:
+        """No token spells more characters than the vocabulary's longest, so a longer text cannot
+        fit in max_model_len tokens: it is refused before the tokenizer spends time on it."""
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
+        return longest * self.max_model_len
+
+    def check_n(self, n: int):
+        if n > self.limits.max_n:
+            raise ApiError(400, f"n must be at most {self.limits.max_n} (--max-n), got {n}", param="n")
+
+    async def off_loop(self, fn, *args):
+        """Tokenising and templates take time that depends on the client: never on the event loop."""
+        try:
+            return await self.workers.run(self.limits.render_timeout, fn, *args)
+        except TimeoutError:
+            raise ApiError(400, f"tokenising or rendering the chat template took over "
+                                f"{self.limits.render_timeout:g} s") from None
 
     def check_model(self, model: str | None):
         if model is not None and model not in self.aliases:
@@ -50,11 +111,17 @@ class ServingContext:
             raise ApiError(400, f"this model has no tokenizer, so {what} is not possible: "
                                 "send prompts as token ids")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            self.need_tokenizer("a text prompt")
-            return self.detok.encode(prompt)
-        return list(prompt)
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        self.need_tokenizer("a text prompt")
+        if len(prompt) > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {len(prompt)} characters; this server tokenises at most "
+                                f"{self.max_prompt_chars} (more cannot fit in max_model_len={self.max_model_len} "
+                                "tokens; --max-prompt-chars)", param="prompt")
+        if add_special_tokens:
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return self.detok.encode(prompt)
 
     def check_prompt(self, ids: list[int], params: SamplingParams):
         """The engine's own checks, here so that a bad prompt is a 400 before anything queues."""

@@ -1,0 +1,15 @@
+"""`ServerLimits`: no serving imports here, so that `asynct serve --help` shows the defaults
+without the serving extras installed."""
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerLimits:
+    """What one request may ask for, and how long the server waits on a client (docs/serving.md)."""
+    max_n: int = 128                          # OpenAI's cap
+    max_prompt_chars: int | None = None       # None: the most that max_model_len tokens can spell
+    trust_request_chat_template: bool = False
+    render_timeout: float = 10.0              # seconds to render a chat template or tokenise
+    header_timeout: float = 10.0              # seconds for a request's headers to arrive
+    keep_alive_timeout: int = 5               # seconds an idle connection stays open
+    max_connections: int = 2048               # open connections; more are closed at once
