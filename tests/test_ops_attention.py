@@ -12,15 +12,13 @@ DEV = "cuda" if CUDA else "cpu"  # small-shape kernel tests: interpreted on CPU,
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_scalars():
+def patch_interpreter_scalars():
     """Triton 3.6's interpreter turns a scalar used as a loop bound into int() of a 1-element
-    array, which NumPy >= 2.4 refuses; take .item() instead."""
+    array, which NumPy >= 2.4 refuses; take .item() instead. Returns the undo function."""
     try:
         import triton.runtime.interpreter as interp
     except ImportError:
-        yield
-        return
+        return lambda: None
     orig = interp._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -28,8 +26,14 @@ def _interpreter_scalars():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interp._patch_lang_tensor = patched
+    return lambda: setattr(interp, "_patch_lang_tensor", orig)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalars():
+    undo = patch_interpreter_scalars()
     yield
-    interp._patch_lang_tensor = orig
+    undo()
 
 
 def make_cache(lens, hkv, d, bs, dtype, device, gen, block_major=False):
