@@ -217,6 +217,37 @@ def test_prefill_triton_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, blo
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,splits", [
+    (2, 2, 16, 4, 3, True, [40, 1, 20], [0, 9, 45], 3),     # halos inside and across chunks
+    (4, 2, 16, 16, 4, False, [70], [0], 2),
+    (4, 1, 16, 4, 5, True, [17, 33], [70, 0], 4),           # splits past a tile's last key
+    (4, 4, 16, 16, 1, True, [33], [0], 8),                  # P = 1: no halo
+    (6, 2, 16, 8, 3, True, [30, 5], [20, 64], 5),           # G = 3 padded to 4
+])
+def test_prefill_split_keys_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, splits):
+    """Key splits with additive fp32 partials: each split's first tile recomputes the halo."""
+    err = prefill_case(asynci_prefill_triton, q_lens, ctx, hq, hkv, d, bs, pool, relu,
+                       device=DEV, block_m=16, block_n=16, splits=splits)
+    assert err < 1e-5
+
+
+def test_prefill_plan_uses_only_the_fixed_configs():
+    """Short prompts get the small tile and key splits, long ones and big batches the big tile
+    unsplit; every plan is one of PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""
+    from asynct.ops.asynci_prefill import MAX_SPLITS, PREFILL_CONFIGS, plan_prefill
+    big, small = PREFILL_CONFIGS
+    assert plan_prefill(1, 8192, 8192, 4, 2) == (big, 1)
+    assert plan_prefill(8, 512, 512, 4, 2) == (big, 1)
+    cfg, splits = plan_prefill(1, 512, 512, 4, 2)
+    assert cfg == small and splits > 1
+    assert plan_prefill(1, 16, 16, 4, 2) == (small, 1)      # too few keys to split
+    for b in (1, 2, 5, 64):
+        for n in (1, 17, 300, 2048, 40000):
+            for hkv, g in ((1, 1), (4, 2), (2, 6), (8, 16)):
+                cfg, splits = plan_prefill(b, n, n + 100, hkv, g)
+                assert cfg in PREFILL_CONFIGS and 1 <= splits <= MAX_SPLITS
+
+
 def test_kernels_read_a_block_major_cache_in_place():
     """vLLM's cache is [num_blocks, 2, ...]: viewed as [2, num_blocks, ...] it has other strides;
     every kernel takes it as it is."""
