@@ -192,7 +192,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
                           pool_size, relu_pre, out, max_query_len, max_seq_len=None,
                           block_m=None, block_n=None, num_warps=None, num_stages=None, splits=None):
     """Tile sizes, warps, stages and splits default to `plan_prefill`'s (benchmarks and tests
-    pass their own)."""
+    pass their own; an explicit block_m means no splits unless `splits` says so)."""
     _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
     hq, d = q.shape[1:]
     _, _, bs, hkv, _ = kv_cache.shape
@@ -203,8 +203,8 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     g_pad = triton.next_power_of_2(g)
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms)
-    block_m = _block_m(block_m or cfg.block_m, g_pad)
-    block_n, splits = block_n or cfg.block_n, splits or plan_splits
+    splits = splits or (plan_splits if block_m is None else 1)
+    block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
     if splits == 1:
         dst, strides = out, (out.stride(0), out.stride(1), 0)
     else:
