@@ -237,10 +237,10 @@ def test_prefill_plan_uses_only_the_fixed_configs():
     from asynct.ops.asynci_prefill import MAX_SPLITS, PREFILL_CONFIGS, plan_prefill
     big, small = PREFILL_CONFIGS
     assert plan_prefill(1, 8192, 8192, 4, 2) == (big, 1)
-    assert plan_prefill(8, 512, 512, 4, 2) == (big, 1)
     cfg, splits = plan_prefill(1, 512, 512, 4, 2)
     assert cfg == small and splits > 1
     assert plan_prefill(1, 16, 16, 4, 2) == (small, 1)      # too few keys to split
+    assert plan_prefill(1, 64, 4064, 4, 2) == (small, MAX_SPLITS)   # short chunk, long prefix
     for b in (1, 2, 5, 64):
         for n in (1, 17, 300, 2048, 40000):
             for hkv, g in ((1, 1), (4, 2), (2, 6), (8, 16)):

@@ -12,6 +12,7 @@ Short prompts give few programs (one 512-token prompt: 32 for 132 SMs), so the l
 tile's key range over programs: AsyncI has no normalisation, so the partials of disjoint key
 ranges add (fp32, summed by the decode's split-sum kernel). A split recomputes the pool's halo,
 the P-1 scores left of its first key, as the decode kernel does."""
+import math
 from collections import namedtuple
 
 import torch
@@ -171,17 +172,21 @@ MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one t
 
 
 def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132):
-    """(config, splits) for a step: the first config of PREFILL_CONFIGS whose grid fills the
-    SMs, else the smallest tile with key splits up to about one program per SM. Host ints only:
-    a plan never compiles anything the warm-up did not."""
+    """(config, splits) for a step, from host ints only (a plan never compiles anything the
+    warm-up did not): the first config of PREFILL_CONFIGS with two programs per SM, else the
+    last one with enough key splits that the longest program (all keys) takes no longer than
+    the average program's share of an SM, causal triangle and cached prefix counted."""
     g_pad = triton.next_power_of_2(group)
-    programs = 0
+    n_keys = max(max_seq_len or 0, max_query_len)
     for cfg in PREFILL_CONFIGS:
-        programs = batch * num_kv_heads * triton.cdiv(max_query_len, _block_m(cfg.block_m, g_pad) // g_pad)
-        if programs >= sms:
+        q_tiles = triton.cdiv(max_query_len, _block_m(cfg.block_m, g_pad) // g_pad)
+        programs = batch * num_kv_heads * q_tiles
+        if programs >= 2 * sms:
             return cfg, 1
-    by_len = max(1, (max_seq_len or max_query_len) // (MIN_SPLIT_TILES * cfg.block_n))
-    return cfg, max(1, min(triton.cdiv(sms, max(programs, 1)), by_len, MAX_SPLITS))
+    mean_keys = n_keys - max_query_len / 2       # a query tile sees its prefix + half the chunk
+    want = math.ceil(sms * n_keys / (programs * mean_keys))
+    by_len = max(1, n_keys // (MIN_SPLIT_TILES * cfg.block_n))
+    return cfg, max(1, min(want, by_len, MAX_SPLITS))
 
 
 def _block_m(block_m, g_pad):
