@@ -213,26 +213,12 @@ def decode_fp32(q, kv_cache, block_table, seq_lens, sigma, scale, pool, relu, ou
 
 def attention_fp32_scores(q, k, v, sigma, scale, *args, **kwargs):
     """The torch backend with the Triton kernels' score precision: q.k in fp32 from the bf16
-    inputs (exact products, fp32 sums), the PV product as before."""
-    s_dtype = torch.promote_types(q.dtype, torch.float32)
-    a = _gate_only(q.to(s_dtype), k.to(s_dtype), sigma, scale, *args, **kwargs)
-    groups = q.shape[1] // v.shape[1]
-    return torch.matmul(a.to(v.dtype), v.repeat_interleave(groups, dim=1))
-
-
-def _gate_only(q, k, sigma, scale, pool_size=3, relu_pre=True, key_mask=None, q_offset=0):
-    """asynci_attention up to the weights a (fp32), from scores in q's dtype."""
-    from asynct.ops.asynci import asynci_gate
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    tq, tk = s.shape[-2:]
-    offset = q_offset.view(-1, 1, 1, 1) if torch.is_tensor(q_offset) else q_offset
-    rows = torch.arange(tq, device=q.device).view(1, 1, -1, 1) + offset
-    valid = torch.arange(tk, device=q.device).view(1, 1, 1, -1) <= rows
-    if key_mask is not None:
-        valid = valid & key_mask.bool().view(-1, 1, 1, tk)
-    return asynci_gate(s, valid, sigma, pool_size, relu_pre)
+    inputs (exact products, fp32 sums), the PV product in bf16 as before. The weights a come
+    out of the reference itself, applied to an identity in place of V."""
+    b, hkv, tk, _ = k.shape
+    eye = torch.eye(tk, dtype=torch.float32, device=k.device).expand(b, hkv, tk, tk)
+    a = asynci_attention(q.float(), k.float(), eye, sigma, scale, *args, **kwargs)
+    return torch.matmul(a.to(v.dtype), v.repeat_interleave(q.shape[1] // hkv, dim=1))
 
 
 # ---- variants ----------------------------------------------------------------------------
