@@ -230,6 +230,24 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     return out
 
 
+def prefill_variants():
+    """Every compiled variant `plan_prefill` can pick: each config unsplit and split (any
+    split count > 1 shares one compile)."""
+    return [(cfg, splits) for cfg in PREFILL_CONFIGS for splits in (1, 2)]
+
+
+def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
+                   relu_pre, out, max_query_len, max_seq_len):
+    """Runs (so compiles) every prefill variant: the engine's start-up warm-up. CUDA only."""
+    if not (q.is_cuda and triton is not None):
+        return out
+    for cfg, splits in prefill_variants():
+        asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
+                              pool_size, relu_pre, out, max_query_len, max_seq_len,
+                              **cfg._asdict(), splits=splits)
+    return out
+
+
 def asynci_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
                    relu_pre, out, max_query_len, max_seq_len):
     """Writes AsyncI of every query token of the chunks into `out` [T, Hq, D] and returns it."""
