@@ -12,15 +12,13 @@ DEV = "cuda" if CUDA else "cpu"  # small-shape kernel tests: interpreted on CPU,
 gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _interpreter_scalars():
+def patch_interpreter_scalars():
     """Triton 3.6's interpreter turns a scalar used as a loop bound into int() of a 1-element
-    array, which NumPy >= 2.4 refuses; take .item() instead."""
+    array, which NumPy >= 2.4 refuses; take .item() instead. Returns the undo function."""
     try:
         import triton.runtime.interpreter as interp
     except ImportError:
-        yield
-        return
+        return lambda: None
     orig = interp._patch_lang_tensor
 
     def patched(tensor, scope):
@@ -28,8 +26,14 @@ def _interpreter_scalars():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
 
     interp._patch_lang_tensor = patched
+    return lambda: setattr(interp, "_patch_lang_tensor", orig)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter_scalars():
+    undo = patch_interpreter_scalars()
     yield
-    interp._patch_lang_tensor = orig
+    undo()
 
 
 def make_cache(lens, hkv, d, bs, dtype, device, gen, block_major=False):
@@ -211,6 +215,39 @@ def test_prefill_triton_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, blo
     err = prefill_case(asynci_prefill_triton, q_lens, ctx, hq, hkv, d, bs, pool, relu,
                        device=DEV, block_m=block_m, block_n=16)
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,splits", [
+    (2, 2, 16, 4, 3, True, [40, 1, 20], [0, 9, 45], 3),     # halos inside and across chunks
+    (4, 2, 16, 16, 4, False, [70], [0], 2),
+    (4, 1, 16, 4, 5, True, [17, 33], [70, 0], 4),           # splits past a tile's last key
+    (4, 4, 16, 16, 1, True, [33], [0], 8),                  # P = 1: no halo
+    (6, 2, 16, 8, 3, True, [30, 5], [20, 64], 5),           # G = 3 padded to 4
+])
+def test_prefill_split_keys_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, splits):
+    """Key splits with additive fp32 partials: each split's first tile recomputes the halo."""
+    err = prefill_case(asynci_prefill_triton, q_lens, ctx, hq, hkv, d, bs, pool, relu,
+                       device=DEV, block_m=16, block_n=16, splits=splits)
+    assert err < 1e-5
+
+
+def test_prefill_plan_uses_only_the_fixed_configs():
+    """Short prompts get the small tile and key splits, long ones the big tile
+    unsplit; every plan is one of PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""
+    from asynct.ops.asynci_prefill import (MAX_SPLITS, PREFILL_CONFIGS, plan_prefill,
+                                           prefill_variants)
+    big, small = PREFILL_CONFIGS
+    assert plan_prefill(1, 8192, 8192, 4, 2) == (big, 1)
+    cfg, splits = plan_prefill(1, 512, 512, 4, 2)
+    assert cfg == small and splits > 1
+    assert plan_prefill(1, 16, 16, 4, 2) == (small, 1)      # too few keys to split
+    assert plan_prefill(1, 64, 4064, 4, 2) == (small, MAX_SPLITS)   # short chunk, long prefix
+    warmed = prefill_variants()     # what the engine's warm-up compiles
+    for b in (1, 2, 5, 64):
+        for n in (1, 17, 300, 2048, 40000):
+            for hkv, g in ((1, 1), (4, 2), (2, 6), (8, 16)):
+                cfg, splits = plan_prefill(b, n, n + 100, hkv, g)
+                assert (cfg, min(splits, 2)) in warmed and 1 <= splits <= MAX_SPLITS
 
 
 def test_kernels_read_a_block_major_cache_in_place():

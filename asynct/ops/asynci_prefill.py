@@ -5,11 +5,20 @@ so one K/V tile load serves the whole GQA group) and walks the key tiles left to
 its last query's position: the tiles wholly above the causal diagonal are never visited. The
 pool's left halo comes from the previous tile's scores, still in registers; at key 0 it is
 zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
-hits, earlier chunks) are just keys left of the chunk."""
+hits, earlier chunks) are just keys left of the chunk.
+
+Short prompts give few programs (one 512-token prompt: 32 for 132 SMs), so the launch plan
+(`plan_prefill`) takes smaller query tiles and, if that is still too few, splits each query
+tile's key range over programs: AsyncI has no normalisation, so the partials of disjoint key
+ranges add (fp32, summed by the decode's split-sum kernel). A split recomputes the pool's halo,
+the P-1 scores left of its first key, as the decode kernel does."""
+import math
+from collections import namedtuple
+
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import load_kv_rows
+from asynct.ops.asynci_decode import _sm_count, _sum_splits_kernel, load_kv_rows
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -58,15 +67,31 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur,
     return acc, r_hi, r_lo
 
 
-@_jit(do_not_specialize=["sbt"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
+@_jit
+def _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr,
+          BLOCK_N: tl.constexpr, P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr):
+    """r of the P-1 keys left of `lo` as the previous tile's (hi, lo) fp16 halves; the rest of
+    that tile is zero. Queries before those keys never use them (their gates are masked)."""
+    keys = lo - BLOCK_N + tl.arange(0, BLOCK_N)
+    kmask = (keys >= 0) & (keys >= lo - (P - 1))
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+    rc = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
+    r_hi = rc.to(tl.float16)
+    return r_hi, (rc - r_hi.to(tl.float32)).to(tl.float16)
+
+
+@_jit(do_not_specialize=["sbt", "S"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
-                    sqt, sqh, sot, soh, sbt, s_blk, s_tok, s_head, G,
+                    sqt, sqh, sot, soh, sos, sbt, s_blk, s_tok, s_head, G, S,
                     D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                     RELU: tl.constexpr, PREC: tl.constexpr):
     b = tl.program_id(0)
     qt = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest key walks start first
-    kvh = tl.program_id(2)
+    kvh = tl.program_id(2) // S
+    split = tl.program_id(2) % S   # S > 1: this program's share of the keys, out_ptr fp32 partials
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     q0 = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q0
@@ -89,21 +114,30 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     hi = tl.where(live, ctx + tl.minimum(qt * BLOCK_Q + BLOCK_Q, q_len), 0)
     # tiles wholly at or below the first query's position need no causal mask
     full = tl.where(live, (ctx + qt * BLOCK_Q + 1) // BLOCK_N * BLOCK_N, 0)
+    # splits are equal whole-tile slices of the sequence's keys, so that no program of any
+    # query tile walks more than one slice; slices past a tile's last key just store zeros
+    per = tl.cdiv(tl.cdiv(n_keys, S), BLOCK_N) * BLOCK_N
+    lo = split * per
+    end = tl.minimum(lo + per, hi)
 
     f_cur = _band(BLOCK_N, P, False)
     f_prev = _band(BLOCK_N, P, True)
     rp_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)  # r of the tile before (none: 0)
     rp_lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
+    if P > 1:
+        if (lo > 0) & (lo < end):
+            rp_hi, rp_lo = _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS, D,
+                                 BLOCK_N, P, RELU, PREC)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for j0 in range(0, full, BLOCK_N):
+    for j0 in range(lo, tl.minimum(full, end), BLOCK_N):
         acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
                                   f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
                                   False)
-    for j0 in range(full, hi, BLOCK_N):
+    for j0 in range(tl.maximum(full, lo), end, BLOCK_N):
         acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
                                   f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
                                   True)
-    dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + d[None, :]
+    dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
 
@@ -127,27 +161,90 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
         raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
 
 
+PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stages")
+
+# The only tile configs the launch plan picks: each compiles twice per model (S == 1 writes
+# `out`, S > 1 fp32 partials), so a warm-up must run every config with splits=1 and splits=2.
+# Long prompts keep the big tile; short ones take the small tile, then split keys.
+PREFILL_CONFIGS = (PrefillConfig(128, 64, 8, 2), PrefillConfig(64, 64, 4, 2))
+MAX_SPLITS = 8
+MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one tile
+
+
+def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132):
+    """(config, splits) for a step, from host ints only (a plan never compiles anything the
+    warm-up did not): the first config of PREFILL_CONFIGS with two programs per SM, else the
+    last one with enough key splits that the longest program (all keys) takes no longer than
+    the average program's share of an SM, causal triangle and cached prefix counted."""
+    g_pad = triton.next_power_of_2(group)
+    n_keys = max(max_seq_len or 0, max_query_len)
+    for cfg in PREFILL_CONFIGS:
+        q_tiles = triton.cdiv(max_query_len, _block_m(cfg.block_m, g_pad) // g_pad)
+        programs = batch * num_kv_heads * q_tiles
+        if programs >= 2 * sms:
+            return cfg, 1
+    mean_keys = n_keys - max_query_len / 2       # a query tile sees its prefix + half the chunk
+    want = math.ceil(sms * n_keys / (programs * mean_keys))
+    by_len = max(1, n_keys // (MIN_SPLIT_TILES * cfg.block_n))
+    return cfg, max(1, min(want, by_len, MAX_SPLITS))
+
+
+def _block_m(block_m, g_pad):
+    return max(block_m, 16 * g_pad if g_pad <= 8 else g_pad)  # >= 16 query tokens a tile
+
+
 def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                           pool_size, relu_pre, out, max_query_len, max_seq_len=None,
-                          block_m=128, block_n=64, num_warps=8, num_stages=2):
+                          block_m=None, block_n=None, num_warps=None, num_stages=None, splits=None):
+    """Tile sizes, warps, stages and splits default to `plan_prefill`'s (benchmarks and tests
+    pass their own; an explicit block_m means no splits unless `splits` says so)."""
     _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
     hq, d = q.shape[1:]
     _, _, bs, hkv, _ = kv_cache.shape
     b = seq_lens.shape[0]
-    g = hq // hkv
-    g_pad = triton.next_power_of_2(g)
-    block_m = max(block_m, 16 * g_pad if g_pad <= 8 else g_pad)  # >= 16 query tokens a tile
     if q.shape[0] == 0 or b == 0 or max_query_len <= 0:
         return out
-    grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv)
+    g = hq // hkv
+    g_pad = triton.next_power_of_2(g)
+    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms)
+    splits = splits or (plan_splits if block_m is None else 1)
+    block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
+    if splits == 1:
+        dst, strides = out, (out.stride(0), out.stride(1), 0)
+    else:
+        dst = torch.empty(q.shape[0], hq, splits, d, dtype=torch.float32, device=q.device)
+        strides = (hq * splits * d, splits * d, d)
+    grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv * splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        sigma.float().contiguous(), out, float(scale), q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_table.stride(0), *k_cache.stride()[:3], g, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
-        BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
-        num_stages=num_stages)
+        sigma.float().contiguous(), dst, float(scale), q.stride(0), q.stride(1), *strides,
+        block_table.stride(0), *k_cache.stride()[:3], g, splits, D=d, BS=bs, G_PAD=g_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or cfg.num_warps,
+        num_stages=num_stages or cfg.num_stages)
+    if splits > 1:
+        _sum_splits_kernel[(q.shape[0], hq)](dst, out, out.stride(0), out.stride(1), splits, D=d,
+                                              num_warps=4)
+    return out
+
+
+def prefill_variants():
+    """Every compiled variant `plan_prefill` can pick: each config unsplit and split (any
+    split count > 1 shares one compile)."""
+    return [(cfg, splits) for cfg in PREFILL_CONFIGS for splits in (1, 2)]
+
+
+def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
+                   relu_pre, out, max_query_len, max_seq_len):
+    """Runs (so compiles) every prefill variant: the engine's start-up warm-up. CUDA only."""
+    if not (q.is_cuda and triton is not None):
+        return out
+    for cfg, splits in prefill_variants():
+        asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
+                              pool_size, relu_pre, out, max_query_len, max_seq_len,
+                              **cfg._asdict(), splits=splits)
     return out
 
 
