@@ -15,6 +15,7 @@ from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMet
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
                                    host_to_device, register_backend)
 from asynct.ops import asynci_decode, asynci_prefill, write_kv_cache
+from asynct.ops.asynci_prefill import warmup_prefill
 
 CASCADE_MIN_DECODES = 16     # below this, a prefix tile holds too few sequences to pay off
 CASCADE_MIN_PREFIX = 128     # keys: two tiles
@@ -87,7 +88,8 @@ class TritonBackend(AttentionBackend):
 
     def warmup(self, impl, kv_cache):
         """Decode's compiled variants: one split (written straight to the output) or several
-        (fp32 partials, then a sum), each with and without the shared-prefix pass; then prefill.
+        (fp32 partials, then a sum), each with and without the shared-prefix pass; then every
+        prefill tile config, split and not.
         Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
         dev, dtype = kv_cache.device, kv_cache.dtype
         b, blocks = 2, 4
@@ -100,8 +102,8 @@ class TritonBackend(AttentionBackend):
                 asynci_decode(q, kv_cache, table, lens, *args, torch.empty_like(q), splits=splits,
                               prefix_len=prefix)
         qsl = torch.tensor([0, 1, b], dtype=torch.int32, device=dev)
-        asynci_prefill(q, kv_cache, table, qsl, lens, *args, torch.empty_like(q), max_query_len=1,
-                       max_seq_len=int(lens[0]))
+        warmup_prefill(q, kv_cache, table, qsl, lens, *args, torch.empty_like(q), max_query_len=1,
+                       max_seq_len=blocks * kv_cache.shape[2])
 
     def init_capture(self, max_batch_size, max_blocks_per_seq, max_seq_len, device):
         self.graph_max_seq_len = max_seq_len
