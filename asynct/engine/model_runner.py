@@ -60,11 +60,11 @@ class ModelRunner:
         load_weights(self.model, model_path)
         self.model.eval()
         self.kv_cache = None
-        if self.device.type == "cuda":
-            self._compile_ahead()
         self.graphs = None
         self.use_graphs = (self.device.type == "cuda" and not enforce_eager
                            and self.backend.supports_cuda_graphs)
+        if self.device.type == "cuda":
+            self._compile_ahead()
         self.max_num_seqs = max_num_seqs
         self.last_sampled = None     # the previous step's sampled tokens, on the device
         self.timed = False           # record device time per step (benchmarks)
