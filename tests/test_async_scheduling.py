@@ -9,6 +9,7 @@ from test_engine import assert_all_blocks_free, random_prompts
 
 
 def engines(ckpt, **kw):
+    kw.setdefault("gpu_memory_utilization", 0.2)   # two engines share one GPU
     return {mode: LLM(ckpt, async_scheduling=mode == "async", **kw) for mode in ("sync", "async")}
 
 
