@@ -59,16 +59,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, md: TritonAttentionMetadata, output):
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        write_kv_cache(k, v, kv_cache, md.slot_mapping, **self.kv_scales)
         nd, na = md.num_decode_tokens, md.num_actual_tokens
         args = (self.sigma, self.scale, self.pool_size, self.relu_pre)
         if nd:
             asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
-                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len)
+                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
+                          **self.kv_scales)
         if md.num_prefills:
             asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
                            md.seq_lens[nd:], *args, output[nd:na],
-                           max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len)
+                           max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len,
+                           **self.kv_scales)
         return output
 
 

@@ -5,11 +5,12 @@ so one K/V tile load serves the whole GQA group) and walks the key tiles left to
 its last query's position: the tiles wholly above the causal diagonal are never visited. The
 pool's left halo comes from the previous tile's scores, still in registers; at key 0 it is
 zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
-hits, earlier chunks) are just keys left of the chunk."""
+hits, earlier chunks) are just keys left of the chunk. An FP8 cache is dequantised by folding
+its scales into q and the accumulator, as in asynci_decode."""
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import load_kv_rows
+from asynct.ops.asynci_decode import apply_v_scale, fold_k_scale, load_kv_rows, scale_args
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -33,8 +34,8 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
     keys = j0 + tl.arange(0, BLOCK_N)
     kmask = keys < hi
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
-    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r = tl.maximum(s, 0.0) if RELU else s
     if MASKED:  # keys past a query's position pool as zeros (only later keys read them)
@@ -60,10 +61,10 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur,
 
 @_jit(do_not_specialize=["sbt"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
-                    sqt, sqh, sot, soh, sbt, s_blk, s_tok, s_head, G,
+                    sqt, sqh, sot, soh, sbt, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
                     D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                    RELU: tl.constexpr, PREC: tl.constexpr):
+                    RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     qt = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest key walks start first
     kvh = tl.program_id(2)
@@ -82,6 +83,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (q0 + tok).to(tl.int64)[:, None] * sqt + head[:, None] * sqh + d[None, :],
                 mask=rmask[:, None], other=0.0)
+    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     # this tile's last query sees keys up to ctx + its last token; empty tiles loop zero times
@@ -103,6 +105,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
         acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
                                   f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
                                   True)
+    acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -129,7 +132,8 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
 
 def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                           pool_size, relu_pre, out, max_query_len, max_seq_len=None,
-                          block_m=128, block_n=64, num_warps=8, num_stages=2):
+                          block_m=128, block_n=64, num_warps=8, num_stages=2, k_scale=None,
+                          v_scale=None):
     _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
     hq, d = q.shape[1:]
     _, _, bs, hkv, _ = kv_cache.shape
@@ -141,10 +145,12 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         return out
     grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    sigma = sigma.float().contiguous()
+    ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        sigma.float().contiguous(), out, float(scale), q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), block_table.stride(0), *k_cache.stride()[:3], g, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
+        sigma, out, float(scale), q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1), block_table.stride(0), *k_cache.stride()[:3], g, ks, vs, FP8=fp8, D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m,
         BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)
@@ -152,8 +158,8 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
 
 
 def asynci_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
-                   relu_pre, out, max_query_len, max_seq_len):
+                   relu_pre, out, max_query_len, max_seq_len, k_scale=None, v_scale=None):
     """Writes AsyncI of every query token of the chunks into `out` [T, Hq, D] and returns it."""
     fn = asynci_prefill_triton if q.is_cuda and triton is not None else asynci_prefill_ref
     return fn(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
-              relu_pre, out, max_query_len, max_seq_len)
+              relu_pre, out, max_query_len, max_seq_len, k_scale=k_scale, v_scale=v_scale)
