@@ -9,7 +9,7 @@ from test_engine import assert_all_blocks_free, random_prompts
 
 
 def engines(ckpt, **kw):
-    kw.setdefault("gpu_memory_utilization", 0.2)   # two engines share one GPU
+    kw.setdefault("num_kv_blocks", 400)   # two engines share one GPU: size the caches by hand
     return {mode: LLM(ckpt, async_scheduling=mode == "async", **kw) for mode in ("sync", "async")}
 
 

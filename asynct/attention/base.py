@@ -90,11 +90,17 @@ class AttentionMetadataBuilder(ABC):
 
 
 class AttentionImpl(ABC):
-    """One per attention layer: holds the layer's constants and its per-head sigma."""
+    """One per attention layer: holds the layer's constants, its per-head sigma and, for an FP8
+    cache, its static dequantisation scales (fp32 [Hkv, D], set after the weights load)."""
 
     def __init__(self, num_heads, head_dim, num_kv_heads, scale, sigma, pool_size, relu_pre):
         self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
         self.scale, self.sigma, self.pool_size, self.relu_pre = scale, sigma, pool_size, relu_pre
+        self.k_scale = self.v_scale = None
+
+    @property
+    def kv_scales(self) -> dict:
+        return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
     @abstractmethod
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, output):
@@ -120,7 +126,7 @@ class AttentionBackend(ABC):
     def get_impl_cls(cls) -> type[AttentionImpl]:
         ...
 
-    def warmup(self, impl: AttentionImpl, kv_cache: torch.Tensor):
+    def warmup(self, impl: AttentionImpl, kv_cache: torch.Tensor, dtype: torch.dtype):
         """Compiles, at start-up, every kernel variant a step can reach beyond what a plain
         forward exercises (so that nothing compiles while serving)."""
 

@@ -13,6 +13,7 @@ from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMet
                                    register_backend)
 from asynct.ops import write_kv_cache
 from asynct.ops.asynci import asynci_attention
+from asynct.ops.kv_cache import dequantize
 
 MAX_BUCKET_KEYS = 1 << 17        # padded keys gathered per bucket (the seed's 131072)
 MAX_BUCKET_SCORES = 1 << 22      # padded query x key scores per head per bucket
@@ -76,12 +77,12 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
 
 class TorchAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, output):
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, **self.kv_scales)
         k_flat, v_flat = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
         for b in metadata.buckets:
             qb = q[b.q_index].transpose(1, 2)                  # [b, Hq, tq, D]
-            kb = k_flat[b.key_index].transpose(1, 2)           # [b, Hkv, tk, D]
-            vb = v_flat[b.key_index].transpose(1, 2)
+            kb = dequantize(k_flat[b.key_index], self.k_scale, q.dtype).transpose(1, 2)  # [b, Hkv, tk, D]
+            vb = dequantize(v_flat[b.key_index], self.v_scale, q.dtype).transpose(1, 2)
             o = asynci_attention(qb, kb, vb, self.sigma, self.scale, self.pool_size, self.relu_pre,
                                  key_mask=b.key_mask, q_offset=b.q_offset)
             output[b.out_rows] = o.transpose(1, 2)[b.q_mask].to(output.dtype)

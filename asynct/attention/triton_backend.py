@@ -60,16 +60,18 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, md: TritonAttentionMetadata, output):
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        write_kv_cache(k, v, kv_cache, md.slot_mapping, **self.kv_scales)
         nd, na = md.num_decode_tokens, md.num_actual_tokens
         args = (self.sigma, self.scale, self.pool_size, self.relu_pre)
         if nd:
             asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
-                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len)
+                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
+                          **self.kv_scales)
         if md.num_prefills:
             asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
                            md.seq_lens[nd:], *args, output[nd:na],
-                           max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len)
+                           max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len,
+                           **self.kv_scales)
         return output
 
 
@@ -86,12 +88,12 @@ class TritonBackend(AttentionBackend):
     def get_impl_cls(cls):
         return TritonAttentionImpl
 
-    def warmup(self, impl, kv_cache):
+    def warmup(self, impl, kv_cache, dtype):
         """Decode's compiled variants: one split (written straight to the output) or several
         (fp32 partials, then a sum), each with and without the shared-prefix pass; then every
         prefill tile config, split and not.
         Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
-        dev, dtype = kv_cache.device, kv_cache.dtype
+        dev = kv_cache.device
         b, blocks = 2, 4
         q = torch.zeros(b, impl.num_heads, impl.head_dim, dtype=dtype, device=dev)
         table = torch.zeros(b, blocks, dtype=torch.int32, device=dev)
@@ -100,10 +102,10 @@ class TritonBackend(AttentionBackend):
         for splits in (1, 2):
             for prefix in (None, torch.zeros(1, dtype=torch.int32, device=dev)):
                 asynci_decode(q, kv_cache, table, lens, *args, torch.empty_like(q), splits=splits,
-                              prefix_len=prefix)
+                              prefix_len=prefix, **impl.kv_scales)
         qsl = torch.tensor([0, 1, b], dtype=torch.int32, device=dev)
         warmup_prefill(q, kv_cache, table, qsl, lens, *args, torch.empty_like(q), max_query_len=1,
-                       max_seq_len=blocks * kv_cache.shape[2])
+                       max_seq_len=blocks * kv_cache.shape[2], **impl.kv_scales)
 
     def init_capture(self, max_batch_size, max_blocks_per_seq, max_seq_len, device):
         self.graph_max_seq_len = max_seq_len

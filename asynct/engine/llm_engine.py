@@ -37,6 +37,7 @@ class EngineArgs:
     admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16
     tokenizer: str | None = None
     async_scheduling: bool = True         # launch step N+1 before finishing step N
+    kv_cache_dtype: str = "auto"          # "fp8" (e4m3, static scales from the weights: docs/fp8_kv.md)
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                                  self.max_model_len, args.enforce_eager)
+                                  self.max_model_len, args.enforce_eager, args.kv_cache_dtype)
         t1 = time.perf_counter()
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:

@@ -18,6 +18,7 @@ from asynct.engine.outputs import Logprob
 from asynct.engine.sampler import sample, token_logprobs
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.model.engine_model import AsyncTEngineModel
+from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
 
 
@@ -44,8 +45,9 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
-                 max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager):
+                 max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager, kv_cache_dtype="auto"):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
+        self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         self.eos_token_id = config.eos_token_id
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
@@ -58,6 +60,8 @@ class ModelRunner:
                 p.data = p.data.float()
         self.model.cos_sin_cache = self.model.rope_cache(self.device)   # fp32: .to(dtype) cast it
         load_weights(self.model, model_path)
+        if is_fp8(self.kv_dtype):
+            set_kv_scales(self.model)
         self.model.eval()
         self.kv_cache = None
         self.graphs = None
@@ -74,12 +78,12 @@ class ModelRunner:
     def block_bytes(self) -> int:
         c = self.config
         return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+                * self.kv_dtype.itemsize)
 
     def allocate_kv_cache(self, num_blocks: int, capture: bool = True):
         c = self.config
         shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.kv_dtype, device=self.device)
         for i, layer in enumerate(self.model.layers):
             layer.attn.kv_cache = self.kv_cache[i]
         if capture and self.device.type == "cuda":
@@ -105,7 +109,7 @@ class ModelRunner:
         step = StepInputs([1], [1], [[0]], [0], 0)
         self._forward(torch.zeros(1, dtype=torch.long, device=self.device),
                       torch.zeros(1, dtype=torch.long, device=self.device), self.builder.build(step))
-        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0])
+        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

@@ -18,12 +18,14 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="finish each step before scheduling the next (debugging, comparisons)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="fp8: e4m3 KV cache, static scales from the weights (docs/fp8_kv.md)")
 
 
 def engine_kwargs(a) -> dict:
     keys = ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "gpu_memory_utilization", "attention_backend", "enforce_eager", "enable_prefix_caching",
-            "async_scheduling")
+            "async_scheduling", "kv_cache_dtype")
     return {k: getattr(a, k) for k in keys}
 
 

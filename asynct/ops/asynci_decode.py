@@ -6,13 +6,18 @@ the KV group at once (one K/V load serves them all), forms the causal pool from 
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
 those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
-simply add."""
+simply add.
+
+An FP8 cache is dequantised in registers by folding its static per-channel scales into the
+math: s = q.(k*ks) = (q*ks).k, so q is scaled once per program, and sum_j a_j (v_j*vs) =
+vs * sum_j a_j v_j, so the accumulator is scaled once at the end; K/V tiles are only cast.
+Without FP8 (a constexpr) the kernels compile exactly as before."""
 import functools
 
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.kv_cache import check_kv_cache
+from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8
 from asynct.ops.paged_ref import asynci_decode_ref
 
 BLOCK_N = 64
@@ -28,6 +33,31 @@ def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_hea
     row = blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
     d = tl.arange(0, D)
     return tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+
+
+@_jit
+def fold_k_scale(q, ks_ptr, kv_head, D: tl.constexpr, FP8: tl.constexpr):
+    """q [M, D] times the KV head's k scales: scores of q against raw FP8 keys are then exact."""
+    if FP8:
+        ks = tl.load(ks_ptr + kv_head * D + tl.arange(0, D))
+        q = (q.to(tl.float32) * ks[None, :]).to(q.dtype)
+    return q
+
+
+@_jit
+def apply_v_scale(acc, vs_ptr, kv_head, D: tl.constexpr, FP8: tl.constexpr):
+    """An fp32 accumulator of a @ raw-FP8 values [M, D] -> a @ dequantised values."""
+    if FP8:
+        acc = acc * tl.load(vs_ptr + kv_head * D + tl.arange(0, D))[None, :]
+    return acc
+
+
+def scale_args(kv_cache, k_scale, v_scale, dummy):
+    """(k scale, v scale, FP8 flag) for a kernel launch; `dummy` stands in (never read) for a
+    cache that is not FP8, so the non-FP8 compile is unchanged."""
+    check_kv_scales(kv_cache, k_scale, v_scale)
+    fp8 = is_fp8(kv_cache.dtype)
+    return (k_scale, v_scale, fp8) if fp8 else (dummy, dummy, False)
 
 
 @_jit
@@ -47,9 +77,10 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
-                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE,
+                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr):
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
+                   FP8: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -68,6 +99,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
                 mask=gmask[:, None], other=0.0)
+    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     n = tl.arange(0, BLOCK_N)
@@ -75,7 +107,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     # halo: r of the P-1 keys left of this split (zero before the sequence start)
     keys = lo - BLOCK_N + n
     kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
 
@@ -83,13 +115,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n
         kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
-        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
+    acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
     if CASCADE:
         if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
             row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
@@ -101,9 +134,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
 
 @_jit(do_not_specialize=["B", "S_PRE"])
 def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, scale, sqb, sqh, B,
-                   s_blk, s_tok, s_head, G, S_PRE,
+                   s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr):
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     """Keys [0, prefix_len) that every sequence of the batch shares (same blocks): a program
     takes BLOCK_M query rows of one KV head, from many sequences, so each prefix key is loaded
     once per row tile instead of once per sequence. Every prefix key precedes every query: no
@@ -123,12 +156,13 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64)[:, None] * sqb + head[:, None] * sqh + d[None, :],
                 mask=rmask[:, None], other=0.0)
+    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     n = tl.arange(0, BLOCK_N)
 
     keys = lo - BLOCK_N + n
     kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
 
@@ -136,13 +170,14 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n
         kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
-        v = load_kv_rows(v_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+        k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+        v = load_kv_rows(v_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
         acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
+    acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared: a graph's prefix pass then costs a launch
     tl.store(dst, acc, mask=rmask[:, None] & (n_keys > 0))
@@ -204,7 +239,8 @@ PREFIX_WARPS = 4
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2):
+                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2,
+                         k_scale=None, v_scale=None):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
     `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe)."""
@@ -226,6 +262,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
     sigma = sigma.float().contiguous()
+    ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     s_pre, pre = 0, dst
     if prefix_len is not None:
@@ -233,30 +270,34 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
         _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
             q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale),
-            q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, BLOCK_M=PREFIX_BLOCK_M,
-            **consts, num_warps=PREFIX_WARPS, num_stages=num_stages)
+            q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M,
+            FP8=fp8, **consts, num_warps=PREFIX_WARPS, num_stages=num_stages)
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
         pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
-        *k_cache.stride()[:3], g, s_pre, M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0,
-        **consts, num_warps=num_warps, num_stages=num_stages)
+        *k_cache.stride()[:3], g, s_pre, ks, vs, M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0,
+        FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits, D=d, num_warps=4)
     return out
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=None, prefix_len=None, splits=None):
+                  max_seq_len=None, prefix_len=None, k_scale=None, v_scale=None, splits=None):
     """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it.
     `prefix_len` is a hint (shared leading blocks, see asynci_decode_triton): ignoring it is
-    always correct, so the references and the CUDA kernel do."""
+    always correct, so the references and the CUDA kernel do. The CUDA kernel reads no
+    FP8 cache (cuda_ext.cuda_decode_supported), so the scales go to Triton and the reference only."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if not q.is_cuda:
         return asynci_decode_ref(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size,
-                                 relu_pre, out)
+                                 relu_pre, out, **scales)
     from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
     fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
     if fn is asynci_decode_triton:
         return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits)
+                  max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits, **scales)
+    if fn is asynci_decode_ref:
+        return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out, **scales)
     return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
               max_seq_len=max_seq_len, splits=splits)

@@ -5,7 +5,8 @@ so one K/V tile load serves the whole GQA group) and walks the key tiles left to
 its last query's position: the tiles wholly above the causal diagonal are never visited. The
 pool's left halo comes from the previous tile's scores, still in registers; at key 0 it is
 zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
-hits, earlier chunks) are just keys left of the chunk.
+hits, earlier chunks) are just keys left of the chunk. An FP8 cache is dequantised by folding
+its scales into q and the accumulator, as in asynci_decode.
 
 Short prompts give few programs (one 512-token prompt: 32 for 132 SMs), so the launch plan
 (`plan_prefill`) takes smaller query tiles and, if that is still too few, splits each query
@@ -18,7 +19,8 @@ from collections import namedtuple
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import _sm_count, _sum_splits_kernel, load_kv_rows
+from asynct.ops.asynci_decode import (_sm_count, _sum_splits_kernel, apply_v_scale, fold_k_scale,
+                                      load_kv_rows, scale_args)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -42,8 +44,8 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
     keys = j0 + tl.arange(0, BLOCK_N)
     kmask = keys < hi
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
-    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r = tl.maximum(s, 0.0) if RELU else s
     if MASKED:  # keys past a query's position pool as zeros (only later keys read them)
@@ -74,7 +76,7 @@ def _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS: tl.constex
     that tile is zero. Queries before those keys never use them (their gates are masked)."""
     keys = lo - BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = (keys >= 0) & (keys >= lo - (P - 1))
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D)
+    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
     rc = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
@@ -84,10 +86,10 @@ def _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS: tl.constex
 
 @_jit(do_not_specialize=["sbt", "S"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
-                    sqt, sqh, sot, soh, sos, sbt, s_blk, s_tok, s_head, G, S,
+                    sqt, sqh, sot, soh, sos, sbt, s_blk, s_tok, s_head, G, S, ks_ptr, vs_ptr,
                     D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                    RELU: tl.constexpr, PREC: tl.constexpr):
+                    RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
     qt = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest key walks start first
     kvh = tl.program_id(2) // S
@@ -107,6 +109,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     d = tl.arange(0, D)
     q = tl.load(q_ptr + (q0 + tok).to(tl.int64)[:, None] * sqt + head[:, None] * sqh + d[None, :],
                 mask=rmask[:, None], other=0.0)
+    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     # this tile's last query sees keys up to ctx + its last token; empty tiles loop zero times
@@ -137,6 +140,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
         acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
                                   f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
                                   True)
+    acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)   # per split: the partials of scaled sums add
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
 
@@ -195,7 +199,8 @@ def _block_m(block_m, g_pad):
 
 def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                           pool_size, relu_pre, out, max_query_len, max_seq_len=None,
-                          block_m=None, block_n=None, num_warps=None, num_stages=None, splits=None):
+                          block_m=None, block_n=None, num_warps=None, num_stages=None, splits=None,
+                          k_scale=None, v_scale=None):
     """Tile sizes, warps, stages and splits default to `plan_prefill`'s (benchmarks and tests
     pass their own; an explicit block_m means no splits unless `splits` says so)."""
     _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
@@ -217,11 +222,13 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         strides = (hq * splits * d, splits * d, d)
     grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv * splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    sigma = sigma.float().contiguous()
+    ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        sigma.float().contiguous(), dst, float(scale), q.stride(0), q.stride(1), *strides,
-        block_table.stride(0), *k_cache.stride()[:3], g, splits, D=d, BS=bs, G_PAD=g_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
+        sigma, dst, float(scale), q.stride(0), q.stride(1), *strides,
+        block_table.stride(0), *k_cache.stride()[:3], g, splits, ks, vs, FP8=fp8, D=d, BS=bs,
+        G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages)
     if splits > 1:
@@ -237,20 +244,20 @@ def prefill_variants():
 
 
 def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
-                   relu_pre, out, max_query_len, max_seq_len):
+                   relu_pre, out, max_query_len, max_seq_len, k_scale=None, v_scale=None):
     """Runs (so compiles) every prefill variant: the engine's start-up warm-up. CUDA only."""
     if not (q.is_cuda and triton is not None):
         return out
     for cfg, splits in prefill_variants():
         asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                               pool_size, relu_pre, out, max_query_len, max_seq_len,
-                              **cfg._asdict(), splits=splits)
+                              **cfg._asdict(), splits=splits, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def asynci_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
-                   relu_pre, out, max_query_len, max_seq_len):
+                   relu_pre, out, max_query_len, max_seq_len, k_scale=None, v_scale=None):
     """Writes AsyncI of every query token of the chunks into `out` [T, Hq, D] and returns it."""
     fn = asynci_prefill_triton if q.is_cuda and triton is not None else asynci_prefill_ref
     return fn(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
-              relu_pre, out, max_query_len, max_seq_len)
+              relu_pre, out, max_query_len, max_seq_len, k_scale=k_scale, v_scale=v_scale)

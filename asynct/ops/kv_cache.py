@@ -1,7 +1,11 @@
 """Writing this step's K/V into the paged cache [2, num_blocks, block_size, Hkv, D].
 
 Every kernel takes the cache through its strides (unit stride along D only), so that the same
-kernels serve our contiguous cache and vLLM's block-major one viewed as [2, ...]."""
+kernels serve our contiguous cache and vLLM's block-major one viewed as [2, ...].
+
+An FP8 (e4m3) cache stores x / scale with static per-(KV head, channel) scales [Hkv, D] fp32
+(asynct/model/kv_scales.py); stores saturate at +-448, so a value past its bound clamps instead
+of becoming NaN, and readers multiply the scale back in registers."""
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
@@ -13,8 +17,38 @@ def check_kv_cache(kv_cache):
                          f"stride along D, got shape {tuple(kv_cache.shape)} strides {kv_cache.stride()}")
 
 
-def _check(k, v, kv_cache, slot_mapping):
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0    # e4m3's largest finite value
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_DTYPE
+
+
+def check_kv_scales(kv_cache, k_scale, v_scale):
+    """An FP8 cache needs both scales as fp32 [Hkv, D]; other caches ignore them."""
+    if not is_fp8(kv_cache.dtype):
+        return
+    want = tuple(kv_cache.shape[3:])
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None or tuple(s.shape) != want or s.dtype != torch.float32 or not s.is_contiguous():
+            raise ValueError(f"an FP8 KV cache needs {name} as contiguous fp32 {want}, got "
+                             f"{None if s is None else (tuple(s.shape), s.dtype)}")
+
+
+def quantize_fp8(x, scale):
+    """x / scale as e4m3, saturating: torch's cast turns out-of-range values into NaN."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def dequantize(x, scale, dtype):
+    """Cache rows [..., Hkv, D] -> dtype; the identity (no copy) without a scale."""
+    return x if scale is None else (x.float() * scale).to(dtype)
+
+
+def _check(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     check_kv_cache(kv_cache)
+    check_kv_scales(kv_cache, k_scale, v_scale)
     want = (k.shape[0],) + tuple(kv_cache.shape[3:])
     if tuple(k.shape) != want or tuple(v.shape) != want:
         raise ValueError(f"k/v must be {want}, got {tuple(k.shape)} / {tuple(v.shape)}")
@@ -24,19 +58,27 @@ def _check(k, v, kv_cache, slot_mapping):
         raise ValueError("k/v need unit last stride")
 
 
-def write_kv_cache_ref(k, v, kv_cache, slot_mapping):
-    _check(k, v, kv_cache, slot_mapping)
+def write_kv_cache_ref(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+    _check(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0  # negative slots are CUDA-graph padding
     slots = slot_mapping[keep]
     blk, off = slots // kv_cache.shape[2], slots % kv_cache.shape[2]
-    kv_cache[0, blk, off] = k[keep].to(kv_cache.dtype)
-    kv_cache[1, blk, off] = v[keep].to(kv_cache.dtype)
+    for i, (x, scale) in enumerate(((k, k_scale), (v, v_scale))):
+        x = x[keep]
+        kv_cache[i, blk, off] = quantize_fp8(x, scale) if is_fp8(kv_cache.dtype) else x.to(kv_cache.dtype)
+
+
+@_jit
+def _quantize(x, scale_ptr, h, d, hmask, D: tl.constexpr):
+    """x / scale, clamped to e4m3's range (the cast to the cache's type follows)."""
+    s = tl.load(scale_ptr + h * D + d, mask=hmask, other=1.0)
+    return tl.minimum(tl.maximum(x.to(tl.float32) / s, -448.0), 448.0)
 
 
 @_jit(do_not_specialize=["T"])
-def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, T, sk0, sk1, sv0, sv1, s_blk, s_tok,
-                     s_head, H, D: tl.constexpr, BS: tl.constexpr, H_PAD: tl.constexpr,
-                     BLOCK_T: tl.constexpr):
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, T, sk0, sk1, sv0, sv1,
+                     s_blk, s_tok, s_head, H, D: tl.constexpr, BS: tl.constexpr,
+                     H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
     h = tl.arange(0, H_PAD)[None, :, None]
     d = tl.arange(0, D)[None, None, :]
@@ -44,13 +86,16 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, T, sk0, sk1, sv0, s
     mask = (h < H) & (slot >= 0)
     kk = tl.load(k_ptr + t.to(tl.int64) * sk0 + h * sk1 + d, mask=mask)
     vv = tl.load(v_ptr + t.to(tl.int64) * sv0 + h * sv1 + d, mask=mask)
+    if FP8:
+        kk = _quantize(kk, ks_ptr, h, d, h < H, D)
+        vv = _quantize(vv, vs_ptr, h, d, h < H, D)
     dst = (slot // BS) * s_blk + (slot % BS) * s_tok + h * s_head + d
     tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
     tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv_cache_triton(k, v, kv_cache, slot_mapping):
-    _check(k, v, kv_cache, slot_mapping)
+def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+    _check(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     t, h, d = k.shape
     if d & (d - 1):
         raise ValueError(f"head_dim must be a power of two, got {d}")
@@ -59,14 +104,13 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping):
     h_pad = triton.next_power_of_2(h)
     block_t = max(1, 4096 // (h_pad * d))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    fp8 = is_fp8(kv_cache.dtype)
     _write_kv_kernel[(triton.cdiv(t, block_t),)](
-        k, v, k_cache, v_cache, slot_mapping, t, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        *k_cache.stride()[:3], h, D=d, BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t,
-        num_warps=4)
+        k, v, k_cache, v_cache, slot_mapping, *((k_scale, v_scale) if fp8 else (slot_mapping,) * 2), t,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], h, D=d,
+        BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t, FP8=fp8, num_warps=4)
 
 
-def write_kv_cache(k, v, kv_cache, slot_mapping):
-    if kv_cache.is_cuda and triton is not None:
-        write_kv_cache_triton(k, v, kv_cache, slot_mapping)
-    else:
-        write_kv_cache_ref(k, v, kv_cache, slot_mapping)
+def write_kv_cache(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+    fn = write_kv_cache_triton if kv_cache.is_cuda and triton is not None else write_kv_cache_ref
+    fn(k, v, kv_cache, slot_mapping, k_scale, v_scale)
