@@ -32,8 +32,8 @@ def run_llm(ckpt, prompts, rounds=1, **engine_args):
     prefix cache), and the backend's STATS delta."""
     from vllm import LLM, SamplingParams
     before = backend.STATS.copy()
-    engine_args = {"dtype": "float32", **engine_args}
-    llm = LLM(model=ckpt, max_model_len=256, enforce_eager=True, seed=0, **engine_args)
+    engine_args = {"dtype": "float32", "enforce_eager": True, **engine_args}
+    llm = LLM(model=ckpt, max_model_len=256, seed=0, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
         results = []
