@@ -32,8 +32,8 @@ def run_llm(ckpt, prompts, rounds=1, **engine_args):
     prefix cache), and the backend's STATS delta."""
     from vllm import LLM, SamplingParams
     before = backend.STATS.copy()
-    engine_args = {"dtype": "float32", **engine_args}
-    llm = LLM(model=ckpt, max_model_len=256, enforce_eager=True, seed=0, **engine_args)
+    engine_args = {"dtype": "float32", "enforce_eager": True, **engine_args}
+    llm = LLM(model=ckpt, max_model_len=256, seed=0, **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
         results = []
@@ -51,18 +51,20 @@ def test_entry_point_is_declared():
     assert "asynct.integrations.vllm:register" in names
 
 
-def test_greedy_matches_reference(tiny_ckpt, cpu_attn_calls):
+def test_greedy_matches_reference(tiny_ckpt, monkeypatch, cpu_attn_calls):
+    """The shared asynct.ops path (the one CUDA takes; torch references on the CPU): vLLM's
+    reorder puts decodes first, and decode and prefill calls read vLLM's cache in place."""
+    monkeypatch.setenv("ASYNCT_VLLM_ATTN", "ops")
     prompts = make_prompts()
     (got,), stats = run_llm(tiny_ckpt, prompts)
     assert got == reference_greedy(tiny_ckpt, prompts)
-    assert stats["forwards"] > 0 and not cpu_attn_calls
+    assert stats["forwards_ops"] > 0 and not cpu_attn_calls
 
 
 def test_chunked_prefill_small_blocks_prefix_cache(tiny_ckpt, monkeypatch, cpu_attn_calls):
     """16-token steps split the long prompts into chunks mixed with decodes; 4-token blocks make
     every sequence span many blocks; the second round starts from cached prefixes. Runs the
-    backend's own torch path (the first test runs the shared asynct.ops)."""
-    monkeypatch.setenv("ASYNCT_VLLM_ATTN", "torch")
+    torch path, the CPU default (the first test runs the shared asynct.ops)."""
     prompts = make_prompts()
     rounds, stats = run_llm(tiny_ckpt, prompts, rounds=2, block_size=4,
                             max_num_batched_tokens=16, max_num_seqs=4,

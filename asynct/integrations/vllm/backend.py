@@ -1,25 +1,23 @@
 """AsyncI as a vLLM v1 attention backend (softmax-free: vLLM's own backends cannot run it).
 
 The model passes this backend explicitly to `Attention(attn_backend=...)`; vLLM's CPU platform
-would otherwise always choose its softmax `CPU_ATTN`. The builder derives everything once per
-step; `forward` writes the step's K/V into the cache, then runs AsyncI.
+would otherwise always choose its softmax `CPU_ATTN`. This module is vLLM's interface only; the
+compute is `attend` (no vLLM import): on CUDA the same `asynct.ops` kernels as asynct's engine,
+reading vLLM's cache in place; on the CPU a batched PyTorch path. ASYNCT_VLLM_ATTN=ops|triton|torch
+forces one.
 
-Two compute paths, chosen once per process:
-- "ops": the shared `asynct.ops.asynci_prefill` / `asynci_decode` (Triton on CUDA, torch
-  references on CPU) on a strided `[2, NB, BS, Hkv, D]` view of vLLM's cache. Used when
-  `asynct.ops` exports them and accepts the view (the CUDA kernels currently want it contiguous,
-  which vLLM's cache never is, so CUDA falls back to "torch").
-- "torch": `paged_torch`, a batched gather + matmul path that takes any head size and layout.
-Set ASYNCT_VLLM_ATTN=torch or =ops to force one.
+CUDA graphs: FULL graphs of single-token decode batches (vLLM's FULL_DECODE_ONLY, or the decode
+half of FULL_AND_PIECEWISE). The metadata keeps the runner's persistent buffers, and the decode
+grid of a graph-eligible batch is sized by max_model_len, as asynct's own graphs are.
 """
-import os
 from collections import Counter
-from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -27,35 +25,24 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 
-from asynct.integrations.vllm import BACKEND_NAME, paged_torch
+from asynct.integrations.vllm import BACKEND_NAME, attend
+from asynct.integrations.vllm.attend import AsyncTAttentionMetadata
 
 # Under "vllm." so vLLM's logging config prints it.
 logger = init_logger("vllm.asynct.backend")
 
-# Proof that this backend (not vLLM's) ran: builds, forwards, tokens, per path.
+# Proof that this backend (not vLLM's) ran: builds, forwards, tokens, per path. Eager steps
+# only: a replayed CUDA graph runs no Python.
 STATS: Counter = Counter()
 
 
-def shared_ops():
-    """The asynct.ops paged kernels, or None while they are not exported."""
-    try:
-        import asynct.ops as ops
-    except ImportError:
-        return None
-    names = ("asynci_prefill", "asynci_decode")
-    return ops if all(callable(getattr(ops, n, None)) for n in names) else None
+def _path(vllm_config, device) -> str:
+    return attend.choose_path(torch.device(device), vllm_config.model_config.get_head_size())
 
 
-def choose_path(device: torch.device) -> str:
-    forced = os.environ.get("ASYNCT_VLLM_ATTN", "").strip().lower()
-    if forced in ("torch", "ops"):
-        if forced == "ops" and shared_ops() is None:
-            raise RuntimeError("ASYNCT_VLLM_ATTN=ops but asynct.ops has no asynci_prefill/decode")
-        return forced
-    if forced:
-        raise ValueError(f"ASYNCT_VLLM_ATTN must be 'torch' or 'ops', got {forced!r}")
-    # The CUDA kernels need a contiguous [2, NB, BS, Hkv, D] cache; vLLM's is block-major.
-    return "ops" if shared_ops() is not None and device.type != "cuda" else "torch"
+def _full_decode_graphs(vllm_config) -> bool:
+    mode = vllm_config.compilation_config.cudagraph_mode
+    return mode is not None and mode.decode_mode().name == "FULL"
 
 
 class AsyncTAttentionBackend(AttentionBackend):
@@ -81,49 +68,41 @@ class AsyncTAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls):
-        return None  # any stride order: see paged_torch
-
-
-@dataclass
-class AsyncTAttentionMetadata:
-    num_actual_tokens: int
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor         # [B] int32
-    block_table: torch.Tensor      # [B, max_blocks] int32
-    slot_mapping: torch.Tensor     # [T] int64
-    has_padding_slots: bool        # any slot < 0 (rows the cache write must skip)
-    path: str
-    groups: list | None = None     # paged_torch.plan(), for the "torch" path
+        return None  # any KVCacheLayout: every one keeps D contiguous, all attend.py needs
 
 
 class AsyncTAttentionMetadataBuilder(AttentionMetadataBuilder[AsyncTAttentionMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE)
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Decodes first: vLLM reorders the batch so that [:num_decodes] is the decode subset.
+        self._init_reorder_batch_threshold(1)
         self.block_size = kv_cache_spec.block_size
         self.num_heads = vllm_config.model_config.get_num_attention_heads(
             vllm_config.parallel_config)
-        self.path = choose_path(torch.device(device))
+        self.path = _path(vllm_config, device)
+        self.graph_max_seq_len, self.graph_max_reqs = None, 0
+        if self.path != "torch" and _full_decode_graphs(vllm_config):
+            self.graph_max_seq_len = vllm_config.model_config.max_model_len
+            self.graph_max_reqs = vllm_config.compilation_config.max_cudagraph_capture_size or 0
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # The torch path plans index tensors on the host each step: no graphs.
+        device = vllm_config.device_config.device
+        if _path(vllm_config, device) == "torch":
+            return AttentionCGSupport.NEVER
+        return cls._cudagraph_support
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> AsyncTAttentionMetadata:
         cm = common_attn_metadata
-        n = cm.num_actual_tokens
-        seq_lens = cm.seq_lens[:cm.num_reqs]
-        qsl = cm.query_start_loc[:cm.num_reqs + 1]
-        block_table = cm.block_table_tensor[:cm.num_reqs]
-        slots = cm.slot_mapping[:n]
-        groups = None
-        if self.path == "torch":
-            groups = paged_torch.plan(cm.query_start_loc_cpu[:cm.num_reqs + 1], seq_lens,
-                                      block_table, self.block_size, self.num_heads)
+        graphable = cm.max_query_len <= 1 and cm.num_reqs <= self.graph_max_reqs
         STATS["builds"] += 1
-        return AsyncTAttentionMetadata(
-            num_actual_tokens=n, max_query_len=cm.max_query_len, max_seq_len=cm.max_seq_len,
-            query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table,
-            slot_mapping=slots, has_padding_slots=bool((slots < 0).any()), path=self.path,
-            groups=groups)
+        return attend.build_metadata(cm, self.path, self.block_size, self.num_heads,
+                                     self.graph_max_seq_len if graphable else None)
 
 
 class AsyncTAttentionImpl(AttentionImpl[AsyncTAttentionMetadata]):
@@ -144,8 +123,7 @@ class AsyncTAttentionImpl(AttentionImpl[AsyncTAttentionMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
-        self.sigma = sigma  # the model's Parameter: weight loading fills it in place
-        self.pool_size, self.relu_pre = int(pool_size), bool(relu_pre)
+        self.params = attend.AsyncIParams(sigma, float(scale), int(pool_size), bool(relu_pre))
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
@@ -153,34 +131,15 @@ class AsyncTAttentionImpl(AttentionImpl[AsyncTAttentionMetadata]):
             raise NotImplementedError("AsyncT attention has no fused output quantization")
         if attn_metadata is None:  # profiling / warm-up run: nothing cached, nothing to do
             return output
-        m = attn_metadata
-        n = m.num_actual_tokens
-        if self.kv_sharing_target_layer_name is None:
-            paged_torch.write_kv(key[:n], value[:n], kv_cache, m.slot_mapping,
-                                 m.has_padding_slots)
-        q, out = query[:n], output[:n]
-        if m.path == "ops":
-            self._ops_attend(q, kv_cache, m, out)
-        else:
-            paged_torch.attend(q, kv_cache, m.groups, self.sigma, self.scale, self.pool_size,
-                               self.relu_pre, out)
-        self._count(m, n)
+        attend.forward(query, key, value, kv_cache, attn_metadata, self.params, output,
+                       write_kv=self.kv_sharing_target_layer_name is None)
+        self._count(attn_metadata)
         return output
 
-    def _ops_attend(self, q, kv_cache, m, out):
-        ops, paged = shared_ops(), paged_torch.as_ops_layout(kv_cache)
-        args = (self.sigma, self.scale, self.pool_size, self.relu_pre, out)
-        if m.max_query_len == 1:  # pure decode step: one query per sequence
-            ops.asynci_decode(q, paged, m.block_table, m.seq_lens, *args,
-                              max_seq_len=m.max_seq_len)
-        else:
-            ops.asynci_prefill(q, paged, m.block_table, m.query_start_loc, m.seq_lens, *args,
-                               max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
-
     @staticmethod
-    def _count(m, n):
+    def _count(m: AsyncTAttentionMetadata):
         if not STATS["forwards"]:
             logger.info("AsyncT attention backend ran its first forward (path=%s)", m.path)
         STATS["forwards"] += 1
         STATS[f"forwards_{m.path}"] += 1
-        STATS["tokens"] += n
+        STATS["tokens"] += m.num_actual_tokens

@@ -1,9 +1,7 @@
 """AsyncI over vLLM's paged KV cache in plain PyTorch (no vLLM import; any device, any head size).
 
-The cache of one layer is vLLM's logical `[num_blocks, num_kv_heads, block_size, 2*head_size]`
-view, in whatever physical stride order vLLM chose: a token's key is `[..., :D]` and its value
-`[..., D:]` (the split vLLM's own FlashAttention and CPU backends use). Everything here goes
-through indexing, never through `.view()` of the cache, so any stride order works.
+The cache is the `[2, num_blocks, block_size, Hkv, D]` view of vLLM's (`attend.as_ops_layout`),
+of any strides: everything here goes through indexing, never through `.view()` of the cache.
 
 The batched path follows the seed's diary (1.2-1.4): the scheduler's batch is cut once per step
 into groups of (request, query-row range) segments whose padded score tensor fits a budget; each
@@ -17,28 +15,6 @@ from asynct.ops.asynci import asynci_gate
 
 # Padded fp32 score elements (B * Hq * Tq * Tk) one group may need: 2**24 is 64 MiB.
 SCORE_BUDGET = 1 << 24
-
-
-def write_kv(key, value, kv_cache, slot_mapping, has_padding=True):
-    """Stores key/value [T, Hkv, D] at `slot_mapping` [T] (block * block_size + offset).
-    Negative slots are padding and are skipped; `has_padding=False` (known once per step)
-    saves the check."""
-    d = key.shape[-1]
-    if has_padding:
-        keep = slot_mapping >= 0
-        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
-    bs = kv_cache.shape[2]
-    blocks, offs = (slot_mapping // bs).long(), (slot_mapping % bs).long()
-    # Advanced indices on dims 0 and 2 around a slice: the indexed shape is [T, Hkv, D].
-    kv_cache[blocks, :, offs, :d] = key.to(kv_cache.dtype)
-    kv_cache[blocks, :, offs, d:] = value.to(kv_cache.dtype)
-
-
-def as_ops_layout(kv_cache):
-    """The same memory as the `[2, num_blocks, block_size, Hkv, D]` view that `asynct.ops`
-    takes (strided, no copy)."""
-    nb, hkv, bs, d2 = kv_cache.shape
-    return kv_cache.unflatten(-1, (2, d2 // 2)).permute(3, 0, 2, 1, 4)
 
 
 @dataclass
@@ -106,12 +82,11 @@ def plan(query_start_loc, seq_lens, block_table, block_size, num_heads, budget=S
 def attend(query, kv_cache, groups, sigma, scale, pool_size, relu_pre, out):
     """AsyncI of every query row [T, Hq, D] into `out` [T, Hq, D], per MODEL.md: products in the
     inputs' dtype taken to fp32, gate in fp32 (as the reference model does)."""
-    d = query.shape[-1]
-    g = query.shape[1] // kv_cache.shape[1]
+    g = query.shape[1] // kv_cache.shape[3]
     for grp in groups:
-        kv = kv_cache[grp.key_blocks, :, grp.key_offs]            # [b, tk, Hkv, 2D]
-        k = kv[..., :d].transpose(1, 2).repeat_interleave(g, 1)    # [b, Hq, tk, D]
-        v = kv[..., d:].transpose(1, 2).repeat_interleave(g, 1)
+        kv = kv_cache[:, grp.key_blocks, grp.key_offs]             # [2, b, tk, Hkv, D]
+        k = kv[0].transpose(1, 2).repeat_interleave(g, 1)          # [b, Hq, tk, D]
+        v = kv[1].transpose(1, 2).repeat_interleave(g, 1)
         q = query[grp.q_rows].transpose(1, 2).to(k.dtype)          # [b, Hq, tq, D]
         s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
         a = asynci_gate(s, grp.valid, sigma, pool_size, relu_pre)

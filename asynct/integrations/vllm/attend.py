@@ -1,0 +1,152 @@
+"""The compute core of the vLLM backend, without any vLLM import (the GPU benchmark and the tests
+run it where vLLM is not installed): per-step metadata from vLLM's `CommonAttentionMetadata`,
+and the cache write + AsyncI of one layer.
+
+vLLM 0.32 hands each layer its cache as the logical view `[num_blocks, Hkv, block_size, 2*D]`
+in the stride order of the resolved `KVCacheLayout` (key `[..., :D]`, value `[..., D:]`). Its
+`[2, num_blocks, block_size, Hkv, D]` view (`as_ops_layout`) has unit stride along D in every
+layout, which is all `asynct.ops` asks: the kernels of asynct's own engine read and write vLLM's
+cache in place.
+
+Paths (chosen once per process, see `choose_path`):
+- "ops": `asynct.ops` dispatch, as asynct's engine calls it (Triton on CUDA, the torch
+  references elsewhere). Decodes first (vLLM reorders the batch for us: the builder's
+  `reorder_batch_threshold = 1`), one decode launch for them and one prefill launch for the rest.
+- "triton": the same with the Triton kernels named explicitly, so that they run on CPU tensors
+  under TRITON_INTERPRET=1 (tests and `benchmarks/vllm_backend_gpu.py --smoke`).
+- "torch": `paged_torch`, batched gather + matmul; any head size (the kernels want a power of
+  two >= 16). The CPU default: faster than the per-sequence references.
+"""
+import os
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from asynct.integrations.vllm import paged_torch
+from asynct.ops import (asynci_decode, asynci_decode_triton, asynci_prefill, asynci_prefill_triton,
+                        write_kv_cache, write_kv_cache_ref, write_kv_cache_triton)
+
+PATHS = ("ops", "triton", "torch")
+
+
+class Kernels(NamedTuple):
+    write: Callable
+    decode: Callable | None
+    prefill: Callable | None
+
+
+KERNELS = {
+    "ops": Kernels(write_kv_cache, asynci_decode, asynci_prefill),
+    "triton": Kernels(write_kv_cache_triton, asynci_decode_triton, asynci_prefill_triton),
+    "torch": Kernels(write_kv_cache_ref, None, None),  # the torch write: any head size
+}
+
+
+def kernels_take_head_size(head_size: int) -> bool:
+    return head_size >= 16 and head_size & (head_size - 1) == 0
+
+
+def choose_path(device: torch.device, head_size: int) -> str:
+    """ASYNCT_VLLM_ATTN forces a path; else the kernels on CUDA when they take the head size."""
+    forced = os.environ.get("ASYNCT_VLLM_ATTN", "").strip().lower()
+    if forced:
+        if forced not in PATHS:
+            raise ValueError(f"ASYNCT_VLLM_ATTN must be one of {PATHS}, got {forced!r}")
+        if forced != "torch" and not kernels_take_head_size(head_size):
+            raise ValueError(f"ASYNCT_VLLM_ATTN={forced}: the asynct kernels need a head size "
+                             f"that is a power of two >= 16, got {head_size}")
+        return forced
+    if device.type == "cuda" and kernels_take_head_size(head_size):
+        return "ops"
+    return "torch"
+
+
+def as_ops_layout(kv_cache: torch.Tensor) -> torch.Tensor:
+    """vLLM's `[NB, Hkv, BS, 2*D]` layer view (any stride order) as the `[2, NB, BS, Hkv, D]`
+    view that `asynct.ops` takes: the same memory, no copy."""
+    nb, hkv, bs, d2 = kv_cache.shape
+    return kv_cache.unflatten(-1, (2, d2 // 2)).permute(3, 0, 2, 1, 4)
+
+
+def num_decodes(query_start_loc_cpu: torch.Tensor, num_reqs: int, max_query_len: int) -> int:
+    """Requests before the first one with more than one query token: vLLM's
+    `split_decodes_and_prefills(decode_threshold=1)`. A decode left behind a prefill (no
+    reorder) is still right: the prefill kernel takes any query length."""
+    if max_query_len <= 1:
+        return num_reqs  # includes the zero-length padding rows of a CUDA-graph batch
+    q_lens = query_start_loc_cpu[1:num_reqs + 1] - query_start_loc_cpu[:num_reqs]
+    return int((q_lens > 1).int().argmax())
+
+
+@dataclass
+class AsyncTAttentionMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    num_decodes: int               # the first num_decodes requests have one query token each
+    max_query_len: int
+    max_seq_len: int
+    decode_max_seq_len: int        # host bound that sizes the decode grid (fixed under graphs)
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor         # [B] int32
+    block_table: torch.Tensor      # [B, max_blocks] int32
+    slot_mapping: torch.Tensor     # [T] int64, negative = padding
+    path: str
+    groups: list | None = None     # paged_torch.plan(), for the "torch" path
+
+
+def build_metadata(cm, path: str, block_size: int, num_heads: int,
+                   graph_max_seq_len: int | None = None) -> AsyncTAttentionMetadata:
+    """From vLLM's CommonAttentionMetadata `cm`. Its device tensors are slices of the model
+    runner's persistent buffers; the kernel paths keep those slices (no new tensors), so a CUDA
+    graph captured over them reads each replay's values. `graph_max_seq_len`, for batches that
+    may be replayed in a graph, replaces the step's longest sequence as the decode grid's
+    bound: the split count must be the one captured."""
+    n, b = cm.num_actual_tokens, cm.num_reqs
+    qsl_cpu = cm.query_start_loc_cpu
+    nd = num_decodes(qsl_cpu, b, cm.max_query_len)
+    block_table = cm.block_table_tensor[:b]
+    seq_lens = cm.seq_lens[:b]
+    groups = None
+    if path == "torch":
+        groups = paged_torch.plan(qsl_cpu[:b + 1], seq_lens, block_table, block_size, num_heads)
+    return AsyncTAttentionMetadata(
+        num_actual_tokens=n, num_reqs=b, num_decodes=nd, max_query_len=cm.max_query_len,
+        max_seq_len=cm.max_seq_len,
+        decode_max_seq_len=graph_max_seq_len if nd == b and graph_max_seq_len else cm.max_seq_len,
+        query_start_loc=cm.query_start_loc[:b + 1], seq_lens=seq_lens, block_table=block_table,
+        slot_mapping=cm.slot_mapping[:n], path=path, groups=groups)
+
+
+@dataclass
+class AsyncIParams:
+    """A layer's AsyncI constants; `sigma` is the model's Parameter (filled by weight loading)."""
+    sigma: torch.Tensor
+    scale: float
+    pool_size: int
+    relu_pre: bool
+
+
+def forward(query, key, value, kv_cache, m: AsyncTAttentionMetadata, p: AsyncIParams, output,
+            write_kv: bool = True):
+    """Writes this step's K/V into vLLM's cache (unless the layer shares another's), then AsyncI
+    of every query row into `output` [T, Hq, D]."""
+    n = m.num_actual_tokens
+    paged = as_ops_layout(kv_cache)
+    kern = KERNELS[m.path]
+    if write_kv:
+        kern.write(key[:n], value[:n], paged, m.slot_mapping)
+    q, out = query[:n], output[:n]
+    if m.path == "torch":
+        paged_torch.attend(q, paged, m.groups, p.sigma, p.scale, p.pool_size, p.relu_pre, out)
+        return output
+    args = (p.sigma, p.scale, p.pool_size, p.relu_pre)
+    nd = m.num_decodes
+    if nd:  # request i of the decodes is query row i
+        kern.decode(q[:nd], paged, m.block_table[:nd], m.seq_lens[:nd], *args, out[:nd],
+                    max_seq_len=m.decode_max_seq_len)
+    if nd < m.num_reqs:
+        # query_start_loc[nd:] holds absolute rows of q: no rebased copy per step.
+        kern.prefill(q, paged, m.block_table[nd:], m.query_start_loc[nd:], m.seq_lens[nd:],
+                     *args, out, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+    return output
