@@ -95,6 +95,10 @@ def add_optional(sub, name, module):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # lm-eval's own command line parses the rest
+        from asynct.integrations.lm_eval_cli import main as eval_main
+        return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
