@@ -7,8 +7,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from asynct.engine.sampling_params import SamplingParams
 
 WORKLOADS = ("throughput", "gsm8k", "latency")
@@ -16,6 +14,7 @@ WORKLOADS = ("throughput", "gsm8k", "latency")
 
 def copy_bandwidth(device) -> float:
     """Bytes read + written per second by a large device copy (median of 10)."""
+    import torch
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
@@ -28,6 +27,7 @@ def copy_bandwidth(device) -> float:
 
 
 def _now(device) -> float:
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -92,6 +92,7 @@ def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
 
 def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:
     """The reference model's left-padded batched generate at the largest batch that fits."""
+    import torch
     from asynct.model.reference import AsyncTForCausalLM
     model = AsyncTForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     sub = requests[:max_requests]
@@ -109,6 +110,7 @@ def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:
 
 
 def _hf_generate(model, reqs, device) -> int:
+    import torch
     width = max(len(p) for p, _ in reqs)
     new = max(sp.max_tokens for _, sp in reqs)
     ids = torch.zeros(len(reqs), width, dtype=torch.long)
@@ -124,6 +126,7 @@ def _hf_generate(model, reqs, device) -> int:
 
 def _largest_batch(model, reqs, device) -> int:
     """lm-eval's --batch_size auto: the largest power of two whose longest case runs."""
+    import torch
     if device.type != "cuda":
         return min(len(reqs), 64)
     longest = max(reqs, key=lambda r: len(r[0]) + r[1].max_tokens)
@@ -186,6 +189,7 @@ def add_parser(sub):
 
 
 def cmd_bench(a):
+    import torch
     from asynct import LLM
     from asynct.entrypoints.cli import engine_kwargs
     from asynct.model.checkpoint import make_checkpoint

@@ -213,3 +213,12 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
         from asynct.model.checkpoint import prepare_config_for_load
         kwargs["config"] = prepare_config_for_load(pretrained_model_name_or_path, kwargs.get("config"))
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def _register_with_transformers():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoConfig.register("asynct", AsyncTConfig, exist_ok=True)
+    AutoModelForCausalLM.register(AsyncTConfig, AsyncTForCausalLM, exist_ok=True)
+
+
+_register_with_transformers()
