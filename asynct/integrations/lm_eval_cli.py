@@ -25,7 +25,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-gsm"
+from asynct.data import SHIPPED_MODEL
+
 DEFAULT_TASKS = ["tiny_gsm", "tiny_gsm_mc"]
 _HUB_FLAGS = ("--include_defaults", "--hf_hub_log_args")
 EXAMPLES = """examples:
