@@ -1,6 +1,7 @@
 """`asynct bench`: end-to-end workloads, the roofline of a decode step, and HF eager as the peer.
 
 Every run measures the device's copy bandwidth first, so the roofline ratio is from one run."""
+import argparse
 import json
 import random
 import tempfile
@@ -59,13 +60,13 @@ def weight_bytes(model) -> int:
     return total
 
 
-def run_engine(llm, requests) -> dict:
+def run_engine(llm, requests, progress: bool = False) -> dict:
     engine = llm.llm_engine
     engine.step_log = []
     before = dict(engine.stats)
     t0 = _now(engine.device)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [sp for _, sp in requests],
-                        use_tqdm=False)
+                        use_tqdm=progress)
     wall = _now(engine.device) - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prefill = engine.stats["prompt_tokens"] - before["prompt_tokens"]
@@ -173,41 +174,61 @@ def plot(rows, path):
 
 
 def add_parser(sub):
-    from asynct.entrypoints.cli import add_engine_args
-    p = sub.add_parser("bench", help="end-to-end benchmark against the roofline and HF eager")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: make --preset)")
-    p.add_argument("--preset", default=None, help="bench-0.6b on CUDA, tiny elsewhere")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    from asynct.entrypoints.cli import HelpFormatter, add_engine_args
+    from asynct.presets import PRESETS
+    p = sub.add_parser("bench", help="end-to-end benchmark against the roofline and HF eager",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: a temporary --preset checkpoint, "
+                   "removed afterwards)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: bench-0.6b on CUDA, tiny elsewhere")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), type=workload_names,
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
-    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also time the reference model's generate")
     p.add_argument("--hf-requests", type=int, default=512,
                    help="most requests in the HF run: one batch of the largest size that fits")
-    p.add_argument("--plot", default=None)
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    p.add_argument("--json-out", default=None, help="write every row as JSON here")
     add_engine_args(p)
     p.set_defaults(fn=cmd_bench)
 
 
+def workload_names(s: str) -> list[str]:
+    names = s.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    return names
+
+
 def cmd_bench(a):
     import torch
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.model:
+        return bench(a, a.model, device)
+    preset = a.preset or ("bench-0.6b" if device.type == "cuda" else "tiny")
+    from asynct.model.checkpoint import make_checkpoint
+    with tempfile.TemporaryDirectory(prefix="asynct-bench-") as tmp:  # 1.2 GB for bench-0.6b
+        return bench(a, make_checkpoint(preset, Path(tmp) / preset, tokenizer=False), device)
+
+
+def bench(a, model, device):
     from asynct import LLM
     from asynct.entrypoints.cli import engine_kwargs
-    from asynct.model.checkpoint import make_checkpoint
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = a.model or make_checkpoint(a.preset or ("bench-0.6b" if device.type == "cuda" else "tiny"),
-                                       Path(tempfile.mkdtemp()) / "bench", tokenizer=False)
     bw = copy_bandwidth(device)
-    print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     llm = LLM(str(model), **engine_kwargs(a))
     rows = []
-    for name in a.workloads.split(","):
+    for name in a.workloads:
         reqs = workload(name, llm.llm_engine.config.vocab_size, a.scale)
         run_engine(llm, reqs[: min(len(reqs), 8)])                      # warm-up, same shapes
-        res = run_engine(llm, reqs)
+        print(f"workload {name}: {len(reqs)} requests", flush=True)
+        res = run_engine(llm, reqs, progress=True)
         batch = min(len(reqs), a.max_num_seqs) if name == "throughput" else None
         roof = decode_roofline(res, llm, bw, batch)
         row = {"workload": name, **res, **roof}
         if a.compare == "hf":
+            print(f"workload {name}: the reference model's generate, up to {a.hf_requests} requests", flush=True)
             hf = run_hf(model, reqs, device, llm.llm_engine.dtype, a.hf_requests)
             row.update(hf_output_tok_s=hf["output_tok_s"], hf_batch=hf["batch"],
                        speedup_vs_hf=row["output_tok_s"] / hf["output_tok_s"])
