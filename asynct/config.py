@@ -1,4 +1,4 @@
-"""`AsyncTConfig`: the checkpoint's config.json, with the spec's defaults, and named presets."""
+"""`AsyncTConfig`: the checkpoint's config.json, with docs/model.md's defaults (presets: asynct/presets.py)."""
 import json
 import math
 
@@ -65,7 +65,7 @@ class AsyncTConfig(PretrainedConfig):
         return d
 
     def to_json_string(self, use_diff: bool = True) -> str:
-        # config.json also names the dtype `torch_dtype`, the spec's (and converters') field
+        # config.json also names the dtype `torch_dtype`, docs/model.md's (and converters') field
         d = json.loads(super().to_json_string(use_diff))
         if d.get("dtype") is not None:
             d["torch_dtype"] = d["dtype"]

@@ -15,7 +15,7 @@ DYHT_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_la
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the spec; the message lists every problem."""
+    """A checkpoint that does not match docs/model.md's format; the message lists every problem."""
 
     def __init__(self, path, problems):
         self.problems = list(problems)
@@ -56,7 +56,7 @@ def dyht_modules(config: AsyncTConfig) -> dict[str, int]:
 
 
 def expected_tensors(config: AsyncTConfig) -> dict[str, list[tuple]]:
-    """Name -> the shapes the spec allows for it."""
+    """Name -> the shapes docs/model.md allows for it."""
     c, i, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
     hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d
     exp = {"model.embed_tokens.weight": [(v, c)]}

@@ -63,5 +63,5 @@ def load_weights(model, path):
                     bar.update(tensor.numel() * tensor.element_size())
             bar.update(bar_at_file + f.stat().st_size - bar.n)  # the file's header
     missing = set(params) - loaded
-    if missing:  # the checkpoint was validated against the spec first, so this is a bug here
+    if missing:  # the checkpoint's tensors were checked first, so this is a bug here
         raise RuntimeError(f"engine parameters not loaded: {sorted(missing)}")
