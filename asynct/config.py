@@ -1,10 +1,12 @@
-"""`AsyncTConfig`: the checkpoint's config.json, with the spec's defaults, and named presets."""
+"""`AsyncTConfig`: the checkpoint's config.json, with docs/model.md's defaults (presets: asynct/presets.py)."""
 import json
 import math
 
 import torch
 
 from transformers import PretrainedConfig
+
+from asynct.presets import PRESETS
 
 
 class AsyncTConfig(PretrainedConfig):
@@ -63,7 +65,7 @@ class AsyncTConfig(PretrainedConfig):
         return d
 
     def to_json_string(self, use_diff: bool = True) -> str:
-        # config.json also names the dtype `torch_dtype`, the spec's (and converters') field
+        # config.json also names the dtype `torch_dtype`, docs/model.md's (and converters') field
         d = json.loads(super().to_json_string(use_diff))
         if d.get("dtype") is not None:
             d["torch_dtype"] = d["dtype"]
@@ -98,22 +100,15 @@ class AsyncTConfig(PretrainedConfig):
             raise ValueError("invalid AsyncT config: " + "; ".join(problems))
 
 
-# Random-weight presets for tests and benchmarks. `bench-0.6b` is the spec's reference shape.
-PRESETS = {
-    "tiny": dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32"),
-    "small": dict(vocab_size=259, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-                  max_position_embeddings=4096, tie_word_embeddings=True, torch_dtype="bfloat16"),
-    "bench-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                       num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=4,
-                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
-                       tie_word_embeddings=True, torch_dtype="bfloat16"),
-}
-
-
 def preset_config(name: str, **overrides) -> AsyncTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return AsyncTConfig(**{**PRESETS[name], **overrides})
+
+
+def _register_with_transformers():
+    from transformers import AutoConfig
+    AutoConfig.register("asynct", AsyncTConfig, exist_ok=True)
+
+
+_register_with_transformers()

@@ -56,12 +56,12 @@ def timed(cmd: list[str], env: dict) -> tuple[float, int, str]:
     return secs, p.returncode, p.stdout
 
 
-def exact_match(results_file: Path) -> float | None:
+def exact_match(results_file: Path | None) -> float | None:
     try:
         res = json.loads(results_file.read_text())
         res = res.get("results", res)[TASK]
         return float(res["exact_match,strict-match"])
-    except (OSError, KeyError, ValueError):
+    except (AttributeError, OSError, KeyError, ValueError):
         return None
 
 
@@ -70,7 +70,7 @@ def run_asynct(model, limit, work, env, extra):
     cmd = [sys.executable, "-m", "asynct.entrypoints.cli", "eval", "--model", str(model), "--tasks", TASK,
            "--output_path", str(out)] + (["--limit", str(limit)] if limit else []) + extra
     secs, rc, tail = timed(cmd, env)
-    return secs, rc, exact_match(out / "results.json"), tail
+    return secs, rc, exact_match(max(out.rglob("results_*.json"), default=None)), tail  # lm-eval's layout
 
 
 def run_hf(model, limit, n, work, env, args):
@@ -96,7 +96,7 @@ def main(argv=None):
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--device", default=None)
     ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--asynct-args", default="", help="extra `asynct eval` options, e.g. '--max-num-seqs 512'")
+    ap.add_argument("--asynct-args", default="", help="extra `asynct eval` options, e.g. '--model_args max_num_seqs=512'")
     args = ap.parse_args(argv)
     import torch
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -111,7 +111,7 @@ def main(argv=None):
 
     rows = []
     secs, rc, em, out = run_asynct(model, args.limit, work, env, args.asynct_args.split())
-    line = next((line for line in out.splitlines() if line.startswith("asynct (")), "")
+    line = next((line for line in out.splitlines() if line.startswith("asynct eval:")), "")
     print(f"{line}; the process: {secs:.1f} s (interpreter and imports: the difference)", flush=True)
     rows.append(("asynct eval", n, secs, em, rc, False))
     if not args.skip_hf:

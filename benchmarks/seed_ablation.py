@@ -1,5 +1,6 @@
-"""The seed's table, reproduced: the gsm8k-shaped workload through each stage of the seed's path,
-each as a ratio to HF eager measured in the same run.
+"""The optimisation log of the original vLLM adaptation that asynct grew from ("the seed"),
+reproduced: the gsm8k-shaped workload through each of its stages on one engine, each as a ratio
+to HF eager measured in the same run (benchmarks/RESULTS.md has the table and the history).
 
     python benchmarks/seed_ablation.py [--requests 64] [--new-tokens 64] [--model DIR]
 """
@@ -19,10 +20,10 @@ from asynct import LLM, ops  # noqa: E402
 from asynct.entrypoints.bench import run_hf, workload  # noqa: E402
 from asynct.model.checkpoint import make_checkpoint  # noqa: E402
 
-# stage, backend, fused ops, CUDA decode kernel, CUDA graphs, the seed's seconds (HF: 771 s)
+# stage, backend, fused ops, CUDA decode kernel, CUDA graphs, the original adaptation's seconds (HF: 771 s)
 STAGES = [
     ("per-request Python loop", "seed-loop", False, False, False, 2131),
-    ("padded batch", "seed-padded", False, False, False, None),       # the seed's OOMed
+    ("padded batch", "seed-padded", False, False, False, None),       # the original adaptation's OOMed
     ("length-bucketed", "seed-bucketed", False, False, False, 928),
     ("vectorised gather", "torch", False, False, False, 457),
     ("Triton kernels", "triton", False, False, False, 362),

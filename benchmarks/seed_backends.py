@@ -1,4 +1,4 @@
-"""The seed's early attention paths, as registered backends, for the ablation only.
+"""The early attention paths of the original vLLM adaptation ("the seed", benchmarks/RESULTS.md), as registered backends, for the ablation only.
 
 Each reuses the engine's builder and differs only in how the request dimension is handled:
 `seed-loop` attends request by request; `seed-padded` copies every request into one padded
@@ -56,7 +56,7 @@ class PaddedImpl(_SeedImpl):
         qp = q.new_zeros(len(rows), tq, *q.shape[1:])
         kp = kf.new_zeros(len(rows), tk, *kf.shape[1:])
         vp, mask = torch.zeros_like(kp), torch.zeros(len(rows), tk, dtype=torch.bool, device=q.device)
-        for b, i in enumerate(rows):             # the seed's memcpy-only loop
+        for b, i in enumerate(rows):             # the original adaptation's memcpy-only loop
             slots = _token_slots(md.block_table[i], seq[i], bs, q.device)
             qp[b, :qlens[i]] = q[qsl[i]:qsl[i + 1]]
             kp[b, :seq[i]], vp[b, :seq[i]], mask[b, :seq[i]] = kf[slots], vf[slots], True

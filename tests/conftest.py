@@ -11,7 +11,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-import asynct  # noqa: E402,F401  (registers the Auto classes)
+import asynct  # noqa: E402,F401  (registers the Auto classes as transformers loads them)
 from asynct.model.checkpoint import make_checkpoint  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""An independent float64 evaluation of MODEL.md, written out loop by loop for the tests."""
+"""An independent float64 evaluation of docs/model.md, written out loop by loop for the tests."""
 import math
 
 import torch

@@ -1,4 +1,4 @@
-"""`asynct bench` and the seed ablation run end to end on the CPU (tiny preset)."""
+"""`asynct bench` and the ablation of the original vLLM adaptation's stages run end to end on the CPU (tiny preset)."""
 import json
 import subprocess
 import sys

@@ -1,6 +1,7 @@
 """lm-eval integration on the shipped trained model: the engine (`asynct` backend) scores every
 sample of the shipped tasks exactly as the reference model does through lm-eval's own `hf`
 backend (float32), and the trained model really solves the problems."""
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from asynct.integrations.lm_eval import AsyncTLM  # noqa: E402
 from asynct.integrations.lm_eval_cli import task_manager  # noqa: E402
+from asynct.integrations.tasks import TASKS_DIR  # noqa: E402
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tiny-gsm"
 LIMIT = {"tiny_gsm": 100, "tiny_gsm_mc": 50, "tiny_gsm_ppl": 20}
@@ -100,13 +102,71 @@ def test_rolling_windows_and_empty_context_match_reference():
         assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
 
 
-def test_eval_cli_smoke(capsys, tmp_path):
+def eval_cli(*argv) -> int:
     from asynct.entrypoints.cli import main
-    assert main(["eval", "--model", str(MODEL), "--tasks", "tiny_gsm,tiny_gsm_mc", "--limit", "8",
-                 "--output_path", str(tmp_path), "--batch_size", "4"]) == 0
-    out = capsys.readouterr().out
-    assert "tiny_gsm" in out and "exact_match" in out and "acc" in out
-    assert (tmp_path / "results.json").exists()
+    return main(["eval", *map(str, argv)])
+
+
+def read_back(output_path: Path):
+    """The run's files as lm-eval's own helpers find them: (results, {task: samples})."""
+    from lm_eval.utils import (get_file_task_name, get_latest_filename, get_results_filenames,
+                               get_sample_results_filenames)
+    files = [str(p) for p in output_path.rglob("*.json*")]
+    results = json.loads(Path(get_latest_filename(get_results_filenames(files))).read_text())
+    samples = {get_file_task_name(Path(f).stem): [json.loads(line) for line in open(f)]
+               for f in get_sample_results_filenames(files)}
+    return results, samples
+
+
+def test_eval_cli_is_lm_evals(capsys, tmp_path):
+    """lm-eval's flags, and its EvaluationTracker layout: <path>/<model>/results_<time>.json and
+    samples_<task>_<time>.jsonl, with the model args recorded."""
+    out = tmp_path / "out"
+    assert eval_cli("--model", "asynct", "--model_args", f"pretrained={MODEL},dtype=float32,max_num_seqs=8",
+                    "--tasks", "tiny_gsm", "tiny_gsm_mc", "--limit", 4, "--batch_size", 4, "--seed", 3,
+                    "--gen_kwargs", "max_gen_toks=48", "--output_path", out, "--log_samples") == 0
+    printed = capsys.readouterr().out
+    assert "|tiny_gsm" in printed and "asynct eval:" in printed and "generation and scoring" in printed
+    [model_dir] = out.iterdir()
+    from lm_eval.utils import sanitize_model_name
+    assert model_dir.name == sanitize_model_name(str(MODEL))
+    results, samples = read_back(out)
+    assert results["config"]["model"] == "asynct"
+    assert results["config"]["model_args"]["pretrained"] == str(MODEL)
+    assert results["config"]["random_seed"] == 3 and results["config"]["fewshot_seed"] == 3
+    assert results["config"]["gen_kwargs"] == {"max_gen_toks": 48}
+    assert results["results"]["tiny_gsm"]["exact_match,strict-match"] == 1.0
+    assert sorted(samples) == ["tiny_gsm", "tiny_gsm_mc"]
+    assert len(samples["tiny_gsm"]) == 2 * 4  # a sample per document and filter
+
+
+def test_eval_cli_shorthand_include_path_and_chat_template(capsys, tmp_path):
+    """`--model DIR` is `--model asynct --model_args pretrained=DIR`; --include_path adds tasks to
+    the shipped ones (one here includes a shipped YAML); --apply_chat_template and
+    --num_fewshot reach lm-eval."""
+    (tmp_path / "my_gsm.yaml").write_text(
+        f"include: {TASKS_DIR / 'tiny_gsm' / 'tiny_gsm.yaml'}\ntask: my_gsm\n")
+    out = tmp_path / "out"
+    assert eval_cli("--model", MODEL, "--include_path", tmp_path, "--tasks", "my_gsm,tiny_gsm_ppl",
+                    "--limit", 2, "--num_fewshot", 1, "--apply_chat_template", "--output_path", out) == 0
+    results, _ = read_back(out)
+    assert results["config"]["model"] == "asynct" and results["config"]["model_args"]["pretrained"] == str(MODEL)
+    assert results["n-shot"]["my_gsm"] == 1 and "bits_per_byte,none" in results["results"]["tiny_gsm_ppl"]
+    assert results["chat_template"]  # the shipped model's template was applied
+
+
+def test_eval_cli_missing_task_says_how_tasks_are_found(capsys):
+    assert eval_cli("--tasks", "gsm8k") == 2
+    err = capsys.readouterr().err
+    assert "Tasks not found: gsm8k" in err and "--include_defaults" in err and "Traceback" not in err
+
+
+def test_eval_cli_shipped_tasks_warn_nothing(caplog):
+    """The shipped YAMLs load without lm-eval's warnings (missing higher_is_better and the like)."""
+    import logging
+    with caplog.at_level(logging.WARNING):
+        task_manager().load(["tiny_gsm", "tiny_gsm_mc", "tiny_gsm_ppl"])
+    assert [r.getMessage() for r in caplog.records if "Custom kwargs" not in r.getMessage()] == []
 
 
 def test_registered_by_name():

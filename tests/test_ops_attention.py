@@ -60,7 +60,7 @@ def make_cache(lens, hkv, d, bs, dtype, device, gen, block_major=False):
 
 
 def loop_attention_f64(q, k, v, sigma, scale, pool, relu, pos):
-    """One query q [Hq, D] at position pos over k/v [Hkv, n, D], straight from MODEL.md."""
+    """One query q [Hq, D] at position pos over k/v [Hkv, n, D], straight from docs/model.md."""
     hq, hkv = q.shape[0], k.shape[0]
     out = torch.zeros(q.shape, dtype=torch.float64)
     for h in range(hq):

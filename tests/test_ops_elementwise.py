@@ -1,5 +1,5 @@
 """DyHT, DyHT+residual, ReGLU, RoPE, q/k norm+RoPE and the KV-cache write: Triton kernels
-(interpreted on CPU) against plain-torch references, references against MODEL.md by hand."""
+(interpreted on CPU) against plain-torch references, references against docs/model.md by hand."""
 import math
 
 import pytest

@@ -1,4 +1,4 @@
-"""The reference model against an independent float64 evaluation of MODEL.md."""
+"""The reference model against an independent float64 evaluation of docs/model.md."""
 import json
 
 import pytest

@@ -1,13 +1,12 @@
 """`asynct bench`: end-to-end workloads, the roofline of a decode step, and HF eager as the peer.
 
 Every run measures the device's copy bandwidth first, so the roofline ratio is from one run."""
+import argparse
 import json
 import random
 import tempfile
 import time
 from pathlib import Path
-
-import torch
 
 from asynct.engine.sampling_params import SamplingParams
 from asynct.entrypoints.breakdown import breakdown, print_breakdown
@@ -17,6 +16,7 @@ WORKLOADS = ("throughput", "gsm8k", "latency")
 
 def copy_bandwidth(device) -> float:
     """Bytes read + written per second by a large device copy (median of 10)."""
+    import torch
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
@@ -29,6 +29,7 @@ def copy_bandwidth(device) -> float:
 
 
 def _now(device) -> float:
+    import torch
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -60,13 +61,13 @@ def weight_bytes(model) -> int:
     return total
 
 
-def run_engine(llm, requests) -> dict:
+def run_engine(llm, requests, progress: bool = False) -> dict:
     engine = llm.llm_engine
     engine.step_log = []
     before = dict(engine.stats)
     t0 = _now(engine.device)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [sp for _, sp in requests],
-                        use_tqdm=False)
+                        use_tqdm=progress)
     wall = _now(engine.device) - t0
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prefill = engine.stats["prompt_tokens"] - before["prompt_tokens"]
@@ -94,6 +95,7 @@ def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
 
 def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:
     """The reference model's left-padded batched generate at the largest batch that fits."""
+    import torch
     from asynct.model.reference import AsyncTForCausalLM
     model = AsyncTForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     sub = requests[:max_requests]
@@ -111,6 +113,7 @@ def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:
 
 
 def _hf_generate(model, reqs, device) -> int:
+    import torch
     width = max(len(p) for p, _ in reqs)
     new = max(sp.max_tokens for _, sp in reqs)
     ids = torch.zeros(len(reqs), width, dtype=torch.long)
@@ -126,6 +129,7 @@ def _hf_generate(model, reqs, device) -> int:
 
 def _largest_batch(model, reqs, device) -> int:
     """lm-eval's --batch_size auto: the largest power of two whose longest case runs."""
+    import torch
     if device.type != "cuda":
         return min(len(reqs), 64)
     longest = max(reqs, key=lambda r: len(r[0]) + r[1].max_tokens)
@@ -192,45 +196,65 @@ def plot(rows, path):
 
 
 def add_parser(sub):
-    from asynct.entrypoints.cli import add_engine_args
-    p = sub.add_parser("bench", help="end-to-end benchmark against the roofline and HF eager")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: make --preset)")
-    p.add_argument("--preset", default=None, help="bench-0.6b on CUDA, tiny elsewhere")
-    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    from asynct.entrypoints.cli import HelpFormatter, add_engine_args
+    from asynct.presets import PRESETS
+    p = sub.add_parser("bench", help="end-to-end benchmark against the roofline and HF eager",
+                       formatter_class=HelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: a temporary --preset checkpoint, "
+                   "removed afterwards)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: bench-0.6b on CUDA, tiny elsewhere")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), type=workload_names,
+                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
-    p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--compare", choices=["hf"], default=None, help="also time the reference model's generate")
     p.add_argument("--hf-requests", type=int, default=512,
                    help="most requests in the HF run: one batch of the largest size that fits")
     p.add_argument("--breakdown", action="store_true",
                    help="per step kind: steps, wall, device and host time, Triton compiles")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the 8-request warm-up before each workload (what a new user meets)")
-    p.add_argument("--plot", default=None)
-    p.add_argument("--json-out", default=None)
+    p.add_argument("--plot", default=None, help="write a bar chart (PNG) here")
+    p.add_argument("--json-out", default=None, help="write every row as JSON here")
     add_engine_args(p)
     p.set_defaults(fn=cmd_bench)
 
 
+def workload_names(s: str) -> list[str]:
+    names = s.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload(s) {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+    return names
+
+
 def cmd_bench(a):
+    import torch
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if a.model:
+        return bench(a, a.model, device)
+    preset = a.preset or ("bench-0.6b" if device.type == "cuda" else "tiny")
+    from asynct.model.checkpoint import make_checkpoint
+    with tempfile.TemporaryDirectory(prefix="asynct-bench-") as tmp:  # 1.2 GB for bench-0.6b
+        return bench(a, make_checkpoint(preset, Path(tmp) / preset, tokenizer=False), device)
+
+
+def bench(a, model, device):
     from asynct import LLM
     from asynct.entrypoints.cli import engine_kwargs
-    from asynct.model.checkpoint import make_checkpoint
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = a.model or make_checkpoint(a.preset or ("bench-0.6b" if device.type == "cuda" else "tiny"),
-                                       Path(tempfile.mkdtemp()) / "bench", tokenizer=False)
     bw = copy_bandwidth(device)
-    print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s")
+    print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     with _compiles(device) as startup:
         t0 = time.perf_counter()
         llm = LLM(str(model), **engine_kwargs(a))
-    print(f"engine start {time.perf_counter() - t0:.1f} s" + _compiled(startup))
+    print(f"engine start {time.perf_counter() - t0:.1f} s" + _compiled(startup), flush=True)
     rows = []
-    for name in a.workloads.split(","):
+    for name in a.workloads:
         reqs = workload(name, llm.llm_engine.config.vocab_size, a.scale)
         if not a.no_warmup:
             run_engine(llm, reqs[: min(len(reqs), 8)])                  # warm-up, same shapes
+        print(f"workload {name}: {len(reqs)} requests", flush=True)
         with _compiles(device) as during:
-            res = run_engine(llm, reqs)
+            res = run_engine(llm, reqs, progress=True)
         batch = min(len(reqs), a.max_num_seqs) if name == "throughput" else None
         roof = decode_roofline(res, llm, bw, batch)
         if a.breakdown:
@@ -238,6 +262,7 @@ def cmd_bench(a):
         res.pop("step_log")
         row = {"workload": name, **res, **roof, "compiles": len(during.compiles) if during else None}
         if a.compare == "hf":
+            print(f"workload {name}: the reference model's generate, up to {a.hf_requests} requests", flush=True)
             hf = run_hf(model, reqs, device, llm.llm_engine.dtype, a.hf_requests)
             row.update(hf_output_tok_s=hf["output_tok_s"], hf_batch=hf["batch"],
                        speedup_vs_hf=row["output_tok_s"] / hf["output_tok_s"])

@@ -1,21 +1,39 @@
-"""The `asynct` command: make-checkpoint, generate, demo (and serve, eval, bench as they land)."""
+"""The `asynct` command: make-checkpoint, generate, demo, serve, eval, bench.
+
+Only argparse and plain data are imported to build the parser, so `asynct --help` and argument
+errors come back at once; each command imports what it needs when it runs."""
 import argparse
 import json
 import sys
 
+from asynct.presets import PRESETS
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# the attention backends the engine registers (asynct/attention), named here to keep --help light
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every flag's help; descriptions and epilogs keep their line breaks."""
+
 
 def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--device", default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--attention-backend", default="auto")
-    g.add_argument("--enforce-eager", action="store_true")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="compute dtype; auto: the checkpoint's on a GPU, float32 on the CPU")
+    g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when there is one)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens in one engine step")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: the checkpoint's max_position_embeddings)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights, activations and the KV cache")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="auto: triton on a GPU, torch elsewhere")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="do not reuse the KV cache of shared prompt prefixes")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="finish each step before scheduling the next (debugging, comparisons)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
@@ -37,18 +55,41 @@ def cmd_make_checkpoint(a):
 
 def cmd_generate(a):
     from asynct import LLM, SamplingParams
+    prompts = read_prompts(a)
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed, stop=a.stop or None)
-    prompts = a.prompt or [line.rstrip("\n") for line in sys.stdin]
     for out in llm.generate(prompts, params, use_tqdm=False):
         if out.error:
             print(f"error: {out.error}", file=sys.stderr)
         elif a.json:
-            print(json.dumps({"prompt": out.prompt, "text": out.outputs[0].text,
+            print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+                              "text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids),
                               "finish_reason": out.outputs[0].finish_reason}))
+        elif out.prompt is None:  # token ids in: the text, or token ids where there is no tokenizer
+            print(out.outputs[0].text or " ".join(map(str, out.outputs[0].token_ids)))
         else:
             print(out.prompt + out.outputs[0].text)
+
+
+def read_prompts(a) -> list:
+    """--prompt and --prompt-token-ids, each repeatable; without either, all of stdin is one prompt."""
+    prompts = list(a.prompt or []) + [{"prompt_token_ids": ids} for ids in a.prompt_token_ids or []]
+    if not prompts:
+        if sys.stdin.isatty():
+            print("reading one prompt from stdin (end with Ctrl-D)", file=sys.stderr)
+        prompts = [sys.stdin.read()]
+    return prompts
+
+
+def token_ids(s: str) -> list[int]:
+    try:
+        ids = [int(t) for t in s.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a list of token ids such as 1,2,3") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("an empty list of token ids")
+    return ids
 
 
 def cmd_demo(a):
@@ -59,29 +100,37 @@ def cmd_demo(a):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="asynct", description="Fast inference for AsyncT models")
-    sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a named preset")
-    m.add_argument("out")
-    m.add_argument("--preset", default="tiny")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--dtype", default=None)
-    m.add_argument("--max-shard-size", default=None)
+    p = argparse.ArgumentParser(prog="asynct", description="Fast inference for AsyncT models",
+                                formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    m = sub.add_parser("make-checkpoint", help="write a random-weight checkpoint of a named preset",
+                       formatter_class=HelpFormatter)
+    m.add_argument("out", help="directory to write (made if missing)")
+    m.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="model shape (asynct/presets.py)")
+    m.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    m.add_argument("--dtype", default=None, choices=DTYPES[1:], help="weights dtype (default: the preset's)")
+    m.add_argument("--max-shard-size", default=None, help='shard the weights, e.g. "200MB" (default: one file)')
     m.set_defaults(fn=cmd_make_checkpoint)
-    g = sub.add_parser("generate", help="generate text from prompts (arguments or stdin lines)")
-    g.add_argument("model")
-    g.add_argument("--prompt", action="append")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--json", action="store_true")
+    g = sub.add_parser("generate", help="generate from prompts (text, token ids, or all of stdin as one prompt)",
+                       formatter_class=HelpFormatter,
+                       epilog="several prompts: repeat --prompt / --prompt-token-ids; without either, "
+                              "stdin is read to its end as one prompt")
+    g.add_argument("model", help="checkpoint directory")
+    g.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
+    g.add_argument("--prompt-token-ids", action="append", type=token_ids, metavar="IDS",
+                   help="a prompt as token ids, e.g. 1,2,3 (repeatable; needs no tokenizer)")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt, with token ids")
     add_engine_args(g)
     g.set_defaults(fn=cmd_generate)
-    d = sub.add_parser("demo", help="set-up check: generate with a shipped or freshly made model")
-    d.add_argument("--model", default=None)
+    d = sub.add_parser("demo", help="set-up check: the shipped trained model answers three questions",
+                       formatter_class=HelpFormatter)
+    d.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny-gsm)")
     d.set_defaults(fn=cmd_demo)
     for name, module in (("serve", "asynct.entrypoints.serve"), ("eval", "asynct.integrations.lm_eval_cli"),
                          ("bench", "asynct.entrypoints.bench")):
@@ -100,6 +149,10 @@ def add_optional(sub, name, module):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["eval"]:  # lm-eval's own command line parses the rest
+        from asynct.integrations.lm_eval_cli import main as eval_main
+        return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)

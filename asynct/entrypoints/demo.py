@@ -3,7 +3,8 @@ import tempfile
 import time
 from pathlib import Path
 
-SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tiny-gsm"
+from asynct.data import SHIPPED_MODEL as SHIPPED
+
 # In the shipped model's training format (scripts/train_tiny.py): gsm8k's "Question: ...\nAnswer:".
 QUESTIONS = ["Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:",
              "Question: A box holds 9 pens. Sara takes 2 pens out. How many pens are left in the box?\nAnswer:",
@@ -21,7 +22,8 @@ def run_demo(model=None):
         print(f"no shipped model found; made a random tiny checkpoint at {model}")
     llm = LLM(str(model))
     eng = llm.llm_engine
-    print(f"model {model}: device {eng.device}, dtype {eng.dtype}, backend {eng.runner.backend.name}, "
+    name = "tiny-gsm (shipped)" if Path(model) == SHIPPED else model
+    print(f"model {name}: device {eng.device}, dtype {eng.dtype}, backend {eng.runner.backend.name}, "
           f"{eng.block_manager.num_blocks} KV blocks")
     t0 = time.perf_counter()
     outs = llm.generate(QUESTIONS, SamplingParams(temperature=0, max_tokens=96, stop=["\n\n", "Question:"]),

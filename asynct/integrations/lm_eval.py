@@ -31,6 +31,7 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens"
 @register_model("asynct")
 class AsyncTLM(TemplateLM):
     _DEFAULT_MAX_GEN_TOKS = 256
+    latest: "AsyncTLM | None" = None  # the last one made: `asynct eval` reports its timings
 
     def __init__(self, pretrained: str, batch_size=None, max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
                  max_length: int | None = None, prefix_token_id: int | None = None, **engine_kwargs):
@@ -48,6 +49,7 @@ class AsyncTLM(TemplateLM):
         self._max_length = int(max_length) if max_length else self.llm.llm_engine.max_model_len - 2
         self._prefix_token_id = prefix_token_id
         self.batch_size = batch_size  # lm-eval reads it; the engine batches by itself
+        AsyncTLM.latest = self
 
     # ---- what lm-eval asks of a model ---------------------------------------------------------
     @property

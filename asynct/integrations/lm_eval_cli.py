@@ -1,54 +1,135 @@
-"""`asynct eval`: lm-evaluation-harness through the engine.
+"""`asynct eval`: lm-evaluation-harness's own command line (`lm-eval run | ls | validate`) with
+the `asynct` model registered and the shipped tasks indexed.
 
-lm-eval's own CLI cannot import models from outside lm-eval, so this wraps `simple_evaluate`
-with the `asynct` backend. By default only the shipped local tasks are indexed (indexing
-lm-eval's ~15k built-in tasks costs seconds and they need the hub for their data anyway).
+Every `lm_eval` flag works as in `lm_eval`; what differs, and why:
+- `--model` defaults to `asynct` and `pretrained` to the shipped model; `--model DIR` is short
+  for `--model asynct --model_args pretrained=DIR` (a directory is never a registered model name);
+- `--device` defaults to the engine's choice (a GPU if there is one), not lm-eval's cuda:0;
+- `--tasks` defaults to `tiny_gsm,tiny_gsm_mc`;
+- only the shipped tasks and `--include_path` are indexed: lm-eval's ~15k built-in tasks cost 5 s
+  to index and their data comes from the Hugging Face hub; `--include_defaults` adds them;
+- the hub is off (HF_HUB_OFFLINE=1) unless the environment says otherwise or the command asks
+  for it (`--include_defaults`, `--hf_hub_log_args`);
+- a line after the tables splits the run's wall time into engine start, generation and scoring,
+  and lm-eval's own work.
 
-    asynct eval --model models/tiny-gsm --tasks tiny_gsm,tiny_gsm_mc --limit 100
+    asynct eval --model asynct --model_args pretrained=models/tiny-gsm --tasks tiny_gsm --limit 100
 """
 import argparse
+import logging
 import functools
-import json
 import os
+import subprocess
+import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-SHIPPED_MODEL = Path(__file__).resolve().parents[2] / "models" / "tiny-gsm"
+from asynct.data import SHIPPED_MODEL
+
+DEFAULT_TASKS = ["tiny_gsm", "tiny_gsm_mc"]
+_HUB_FLAGS = ("--include_defaults", "--hf_hub_log_args")
+EXAMPLES = """examples:
+  asynct eval --model asynct --model_args pretrained=models/tiny-gsm,dtype=float32 --tasks tiny_gsm --limit 100
+  asynct eval --model models/tiny-gsm --tasks tiny_gsm_mc --output_path out --log_samples
+  asynct eval ls tasks
+  asynct eval --include_defaults --tasks gsm8k --num_fewshot 5
+engine options go in --model_args (max_num_seqs=64,max_model_len=1024,attention_backend=torch,...);
+--batch_size is accepted and ignored: the engine batches everything."""
 
 
 def add_parser(sub):
-    from asynct.entrypoints.cli import add_engine_args
-    p = sub.add_parser("eval", help="run lm-evaluation-harness tasks through the engine",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=str(SHIPPED_MODEL), help="checkpoint directory")
-    p.add_argument("--tasks", default="tiny_gsm,tiny_gsm_mc", help="comma-separated task or tag names")
-    p.add_argument("--num_fewshot", "--num-fewshot", type=int, default=None)
-    p.add_argument("--limit", type=float, default=None, help="documents per task (a fraction if < 1)")
-    p.add_argument("--batch_size", "--batch-size", default=None,
-                   help="accepted for lm-eval compatibility and ignored: the engine batches everything")
-    p.add_argument("--max_gen_toks", "--max-gen-toks", type=int, default=256,
-                   help="default for tasks that set none")
-    p.add_argument("--output_path", "--output-path", default=None, help="write results (and samples) here")
-    p.add_argument("--log_samples", "--log-samples", action="store_true")
-    p.add_argument("--include_path", "--include-path", default=None,
-                   help="more task YAMLs, in addition to the shipped ones")
-    p.add_argument("--include_defaults", "--include-defaults", action="store_true",
-                   help="also index lm-eval's built-in tasks (their data needs the hub)")
-    p.add_argument("--apply_chat_template", "--apply-chat-template", action="store_true")
-    p.add_argument("--gen_kwargs", "--gen-kwargs", default=None, help='e.g. "temperature=0.7,do_sample=True"')
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--verbose", action="store_true", help="print the run's wall time")
-    add_engine_args(p)
-    p.set_defaults(fn=cmd_eval)
-    return p
+    """A stub for `asynct --help`: `asynct eval ...` goes to `main` before asynct's parser."""
+    sub.add_parser("eval", add_help=False, help="lm-evaluation-harness's CLI with the engine as model "
+                   "`asynct` (all lm_eval flags; `asynct eval --help`)")
 
 
-def task_manager(include_path=None, include_defaults=False):
-    from lm_eval.tasks import TaskManager
+def main(argv: list[str]) -> int:
+    if not any(a.split("=")[0] in _HUB_FLAGS for a in argv):
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the shipped tasks and models are local
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+    except ImportError:
+        print("asynct eval: error: needs lm-evaluation-harness: pip install 'asynct[eval]'", file=sys.stderr)
+        return 2
+    import asynct.integrations.lm_eval  # noqa: F401  (registers the model `asynct`)
+    setup_logging()
+    logging.getLogger("lm_eval.api.task").addFilter(_not_custom_dataset_advice)
+    cli = HarnessCLI()
+    args = parse_args(cli, argv)
+    include_defaults = args.__dict__.pop("include_defaults", False)
+    cache_prompt_templates()
+    quiet_git_hash()
+    t0 = time.perf_counter()
+    try:
+        with shipped_tasks(include_defaults):
+            cli.execute(args)
+    except ConnectionError as e:  # what `datasets` raises for data it cannot fetch
+        return _fail(_explain_offline(e))
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(_explain_missing_tasks(str(e)) if "Tasks not found" in str(e) else str(e))
+    if args.command == "run":
+        print_timing(time.perf_counter() - t0)
+    return 0
+
+
+def parse_args(cli, argv: list[str]) -> argparse.Namespace:
+    """lm-eval's parse (with its legacy rule: no subcommand means `run`), then asynct's defaults."""
+    subs = cli._subparsers.choices
+    run = subs["run"]
+    run.prog, run.usage, run.epilog = "asynct eval [run]", None, EXAMPLES
+    run.description = "lm-eval's `run` with the engine as model `asynct`, the shipped tasks indexed and the hub off."
+    run._option_string_actions["--model"].help = "lm-eval model name, or a checkpoint directory (default: asynct)"
+    run._option_string_actions["--tasks"].help += f" (default: {','.join(DEFAULT_TASKS)})"
+    run.add_argument("--include_defaults", action="store_true",
+                     help="also index lm-eval's built-in tasks (their data comes from the Hugging Face hub)")
+    if not argv or argv[0] not in subs and argv[0] not in ("-h", "--help"):
+        argv = ["run", *argv]
+    elif argv[0] in ("-h", "--help"):
+        argv = ["run", "--help"]
+    args = cli._parser.parse_args(argv)
+    if args.command == "run":
+        _model_defaults(args)
+    return args
+
+
+def _model_defaults(args):
+    from lm_eval.api.registry import MODEL_REGISTRY
+    model_args = args.model_args or {}
+    if args.model and args.model not in MODEL_REGISTRY and Path(args.model).is_dir():
+        model_args, args.model = {"pretrained": args.model, **model_args}, "asynct"
+    args.model = args.model or "asynct"
+    if args.model == "asynct":
+        model_args.setdefault("pretrained", str(SHIPPED_MODEL))
+        args.device = args.device or "auto"  # lm-eval's default is cuda:0; the engine picks
+    args.model_args = model_args
+    args.tasks = args.tasks or DEFAULT_TASKS
+
+
+def task_manager(include_path=None, include_defaults: bool = False, metadata=None, **kw):
+    """lm-eval's TaskManager over the shipped tasks, `include_path` and, with `include_defaults`,
+    lm-eval's built-in tasks."""
+    from lm_eval.tasks.manager import TaskManager  # the class, also while `shipped_tasks` is on
 
     from asynct.integrations.tasks import TASKS_DIR
-    paths = [str(TASKS_DIR)] + ([include_path] if include_path else [])
-    return TaskManager(include_path=paths, include_defaults=include_defaults)
+    extra = include_path if isinstance(include_path, list) else [include_path] if include_path else []
+    return TaskManager(include_path=[str(TASKS_DIR), *extra], include_defaults=include_defaults,
+                       metadata=metadata, **kw)
+
+
+@contextmanager
+def shipped_tasks(include_defaults: bool):
+    """lm-eval's commands build `lm_eval.tasks.TaskManager(include_path=...)` themselves; for the
+    command's duration that name builds ours."""
+    import lm_eval.tasks
+    original = lm_eval.tasks.TaskManager
+    lm_eval.tasks.TaskManager = functools.partial(task_manager, include_defaults=include_defaults)
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = original
 
 
 def cache_prompt_templates():
@@ -61,52 +142,50 @@ def cache_prompt_templates():
         utils.env.from_string = functools.lru_cache(maxsize=1024)(utils.env.from_string)
 
 
-def cmd_eval(a):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub anywhere: local models, local tasks
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        import lm_eval
-    except ImportError:
-        raise ValueError("needs lm-evaluation-harness: pip install 'asynct[eval]'") from None
-    from lm_eval.utils import make_table
+def quiet_git_hash():
+    """lm-eval records `git describe` of the working directory, and outside a repository git
+    prints `fatal: not a git repository` to the terminal; the same lookup without that."""
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_commit_from_path
 
-    from asynct.entrypoints.cli import engine_kwargs
+    def git_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+    evaluator.get_git_commit_hash = git_hash
+
+
+def print_timing(seconds: float):
     from asynct.integrations.lm_eval import AsyncTLM
-    cache_prompt_templates()
-    t0 = time.perf_counter()
-    lm = AsyncTLM(a.model, max_gen_toks=a.max_gen_toks, **engine_kwargs(a))
-    limit = a.limit if a.limit is None or a.limit < 1 else int(a.limit)
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=a.tasks.split(","), num_fewshot=a.num_fewshot, limit=limit,
-        task_manager=task_manager(a.include_path, a.include_defaults), log_samples=a.log_samples,
-        apply_chat_template=a.apply_chat_template, gen_kwargs=a.gen_kwargs,
-        random_seed=a.seed, numpy_random_seed=a.seed, torch_random_seed=a.seed, fewshot_random_seed=a.seed)
-    seconds = time.perf_counter() - t0
-    if a.output_path:
-        save(results, a.output_path)
+    lm = AsyncTLM.latest
+    if lm is None:  # another lm-eval model ran
+        return
     load, engine = lm.timings["load"], lm.timings["engine"]
-    print(f"asynct ({a.model}), limit: {limit}, num_fewshot: {a.num_fewshot}, {seconds:.1f} s: "
-          f"engine start {load:.1f} s ({_startup(lm)}), generation and scoring {engine:.1f} s, "
-          f"lm-eval's own work {seconds - load - engine:.1f} s")
-    print(make_table(results))
-    if "groups" in results:
-        print(make_table(results, "groups"))
-    return results
+    startup = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in lm.llm.llm_engine.startup_seconds.items())
+    print(f"asynct eval: {seconds:.1f} s: engine start {load:.1f} s ({startup}), generation and scoring "
+          f"{engine:.1f} s, lm-eval's own work {seconds - load - engine:.1f} s")
 
 
-def _startup(lm) -> str:
-    return ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in lm.llm.llm_engine.startup_seconds.items())
+def _not_custom_dataset_advice(record: logging.LogRecord) -> bool:
+    """lm-eval warns on every task that loads its data with a `custom_dataset` function (as the
+    shipped ones do, to find their files next to the YAML) that such a function takes --metadata
+    kwargs: advice for task authors, not a problem of the run."""
+    return "Custom kwargs can be passed to `--metadata`" not in record.getMessage()
 
 
-def save(results, output_path):
-    """results.json (lm-eval's aggregate) and, with --log_samples, samples_<task>.jsonl."""
-    from lm_eval.utils import handle_non_serializable
-    out = Path(output_path)
-    out.mkdir(parents=True, exist_ok=True)
-    samples = results.get("samples") or {}
-    agg = {k: v for k, v in results.items() if k != "samples"}
-    (out / "results.json").write_text(json.dumps(agg, indent=2, default=handle_non_serializable))
-    for task, rows in samples.items():
-        with open(out / f"samples_{task}.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=handle_non_serializable) + "\n")
+def _explain_missing_tasks(msg: str) -> str:
+    from asynct.integrations.tasks import TASKS_DIR
+    shipped = sorted(p.stem for p in TASKS_DIR.glob("*/*.yaml"))
+    return (f"{msg}. asynct eval indexes its shipped tasks ({', '.join(shipped)}) and --include_path; "
+            "--include_defaults adds lm-eval's built-in tasks, whose data is downloaded from the Hugging Face hub")
+
+
+def _explain_offline(e: Exception) -> str:
+    return (f"a task's dataset cannot be downloaded here ({type(e).__name__}: {e}). Without network only "
+            "local data works: the shipped tasks, or task YAMLs with local data_files via --include_path")
+
+
+def _fail(msg: str) -> int:
+    print(f"asynct eval: error: {msg}", file=sys.stderr)
+    return 2

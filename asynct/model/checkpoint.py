@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from asynct.config import AsyncTConfig, preset_config
 
@@ -14,7 +15,7 @@ DYHT_NAMES = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_la
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not match the spec; the message lists every problem."""
+    """A checkpoint that does not match docs/model.md's format; the message lists every problem."""
 
     def __init__(self, path, problems):
         self.problems = list(problems)
@@ -55,7 +56,7 @@ def dyht_modules(config: AsyncTConfig) -> dict[str, int]:
 
 
 def expected_tensors(config: AsyncTConfig) -> dict[str, list[tuple]]:
-    """Name -> the shapes the spec allows for it."""
+    """Name -> the shapes docs/model.md allows for it."""
     c, i, v, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
     hq, hkv = config.num_attention_heads * d, config.num_key_value_heads * d
     exp = {"model.embed_tokens.weight": [(v, c)]}
@@ -138,12 +139,20 @@ def make_checkpoint(preset: str, out_dir, seed: int = 0, dtype: str | None = Non
         tokenizer = config.vocab_size <= 1024
     if tokenizer:
         config.bos_token_id, config.eos_token_id, config.pad_token_id = 258, 256, 257
-    torch.manual_seed(seed)
-    model = AsyncTForCausalLM(config).to(config.weights_dtype)
-    out_dir = Path(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out_dir, **kwargs)
-    if tokenizer:
-        save_byte_tokenizer(out_dir)
+    # bench-0.6b takes half a minute on a CPU, mostly in the random init: say which stage runs
+    stages = tqdm(["random weights", "writing"], desc=f"make-checkpoint {preset}", unit="stage",
+                  bar_format="{desc}: {n_fmt}/{total_fmt} stages [{elapsed}] {postfix}", disable=None)
+    with stages:
+        stages.set_postfix_str(stages.iterable[0])
+        torch.manual_seed(seed)
+        model = AsyncTForCausalLM(config).to(config.weights_dtype)
+        stages.update()
+        stages.set_postfix_str(stages.iterable[1])
+        out_dir = Path(out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(out_dir, **kwargs)
+        if tokenizer:
+            save_byte_tokenizer(out_dir)
+        stages.update()
     return out_dir

@@ -3,6 +3,7 @@ import re
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from asynct.model.checkpoint import safetensors_files
 
@@ -46,14 +47,21 @@ def shard_rows(config, fused: str, shard: int) -> slice:
 def load_weights(model, path):
     params = dict(model.named_parameters())
     loaded = set()
-    for f in safetensors_files(path):
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                target, shard = engine_param_name(name)
-                param = params[target]
-                dst = param if shard is None else param[shard_rows(model.config, target, shard)]
-                dst.copy_(sf.get_tensor(name).to(param.dtype))
-                loaded.add(target)
+    files = safetensors_files(path)
+    with tqdm(total=sum(f.stat().st_size for f in files), desc="Loading weights", unit="B", unit_scale=True,
+              disable=None) as bar:  # disable=None: only on a terminal
+        for f in files:
+            bar_at_file = bar.n
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    target, shard = engine_param_name(name)
+                    param = params[target]
+                    dst = param if shard is None else param[shard_rows(model.config, target, shard)]
+                    tensor = sf.get_tensor(name)
+                    dst.copy_(tensor.to(param.dtype))
+                    loaded.add(target)
+                    bar.update(tensor.numel() * tensor.element_size())
+            bar.update(bar_at_file + f.stat().st_size - bar.n)  # the file's header
     missing = set(params) - loaded
-    if missing:  # the checkpoint was validated against the spec first, so this is a bug here
+    if missing:  # the checkpoint's tensors were checked first, so this is a bug here
         raise RuntimeError(f"engine parameters not loaded: {sorted(missing)}")

@@ -1,4 +1,4 @@
-"""The reference AsyncT model: MODEL.md in plain, eager PyTorch, as a transformers model.
+"""The reference AsyncT model: docs/model.md in plain, eager PyTorch, as a transformers model.
 
 It is the accuracy baseline and the "HF eager" speed baseline, so it is vectorised the way
 transformers' own eager attention is (batched matmuls over heads and positions) and nothing more.
@@ -208,8 +208,17 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """Checks the checkpoint against the spec first, so that a bad one fails with one error
+        """Checks the checkpoint against docs/model.md's format first, so that a bad one fails with one error
         naming every problem, and sizes DyHT parameters from the tensors ([1] or [C])."""
         from asynct.model.checkpoint import prepare_config_for_load
         kwargs["config"] = prepare_config_for_load(pretrained_model_name_or_path, kwargs.get("config"))
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def _register_with_transformers():
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoConfig.register("asynct", AsyncTConfig, exist_ok=True)
+    AutoModelForCausalLM.register(AsyncTConfig, AsyncTForCausalLM, exist_ok=True)
+
+
+_register_with_transformers()

@@ -1,0 +1,28 @@
+"""The `asynct` command line: flag checks before any heavy import, token-id prompts, stdin."""
+import io
+import json
+
+import pytest
+
+from asynct.entrypoints.cli import main
+
+
+def test_bad_preset_fails_at_parse_time(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["make-checkpoint", "/nonexistent/out", "--preset", "huge"])
+    assert e.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
+
+
+def test_generate_takes_token_ids(tiny_ckpt, capsys):
+    assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2,3", "--prompt-token-ids", "4 5",
+                 "--max-tokens", "3", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["prompt_token_ids"] for r in rows] == [[1, 2, 3], [4, 5]]
+    assert all(len(r["token_ids"]) == 3 for r in rows)
+
+
+def test_generate_reads_stdin_as_one_prompt(tiny_ckpt, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("Question: first line\nsecond line\n"))
+    assert main(["generate", str(tiny_ckpt), "--max-tokens", "2", "--json"]) == 0
+    [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert row["prompt"] == "Question: first line\nsecond line\n"
