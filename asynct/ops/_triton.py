@@ -41,6 +41,10 @@ def compile_only(workers: int):
             yield
     finally:
         JITFunction.run = run
+        # a failed compile raises out of AsyncCompileMode's exit before it clears itself, and
+        # every later engine in the process would then refuse to start
+        from triton.runtime._async_compile import active_mode
+        active_mode.set(None)
 
 
 class CompileCounter:

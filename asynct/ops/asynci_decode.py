@@ -40,7 +40,13 @@ def fold_k_scale(q, ks_ptr, kv_head, D: tl.constexpr, FP8: tl.constexpr):
     """q [M, D] times the KV head's k scales: scores of q against raw FP8 keys are then exact."""
     if FP8:
         ks = tl.load(ks_ptr + kv_head * D + tl.arange(0, D))
-        q = (q.to(tl.float32) * ks[None, :]).to(q.dtype)
+        qs = q.to(tl.float32) * ks[None, :]
+        # 16-bit queries go to fp16, so FP8 tiles convert to the dot's type in one instruction
+        # per pair (e4m3 -> bf16 takes four); |q| <= its DyHT weight, far inside fp16's range
+        if q.dtype == tl.float32:
+            q = qs
+        else:
+            q = qs.to(tl.float16)
     return q
 
 
