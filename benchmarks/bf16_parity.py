@@ -144,9 +144,10 @@ def _asynci_fp64(q, k, v, sigma, scale, pool, relu_pre):
 
 
 class Oracle:
-    def __init__(self, cfg, tensors, device):
-        self.cfg, self.device = cfg, device
-        self.t = {k: v.to(device) for k, v in tensors.items()}
+    """The float64 spec on the CPU (spec_oracle builds its position tensors there)."""
+    def __init__(self, cfg, tensors, device="cpu"):
+        self.cfg, self.device = cfg, "cpu"
+        self.t = {k: v.cpu() for k, v in tensors.items()}
         self.cache = {}
 
     def logprobs(self, full):

@@ -12,6 +12,8 @@ from asynct import LLM, SamplingParams
 from asynct.model.kv_scales import layer_bounds, observed_kv_max
 from asynct.ops import asynci_decode_triton, asynci_prefill_triton, write_kv_cache_triton
 from asynct.ops.kv_cache import FP8_DTYPE, FP8_MAX, quantize_fp8, write_kv_cache_ref
+
+DT = "bfloat16" if CUDA else "float32"   # FP8 KV on CUDA needs 16-bit queries
 from asynct.ops.paged_ref import asynci_decode_ref, asynci_prefill_ref
 
 TINY_GSM = Path(__file__).resolve().parents[1] / "models/tiny-gsm"
@@ -145,6 +147,9 @@ def test_cascade_decode_fp8_interpreted(lens, prefix_blocks, pre_splits):
 
 @pytest.mark.parametrize("q_lens,ctx,block_m", [([5, 1, 20], [0, 9, 13], 16), ([17, 1], [70, 0], 64)])
 def test_prefill_fp8_interpreted(q_lens, ctx, block_m):
+    if torch.cuda.is_available():
+        pytest.skip("fp32 queries over an FP8 cache do not compile on CUDA (the engine refuses "
+                    "them); test_fp8_kernels_gpu covers 16-bit queries there")
     assert run_prefill(q_lens, ctx, 4, 2, 16, 4, 3, True, device=DEV, block_m=block_m, block_n=16) < 1e-5
 
 
@@ -196,8 +201,8 @@ def greedy(llm, prompts, n=48):
 
 def test_fp8_engine_agrees_with_fp32_on_tiny_gsm():
     prompts = gsm_prompts(16)
-    ref = greedy(LLM(str(TINY_GSM), dtype="float32"), prompts)
-    fp8 = greedy(LLM(str(TINY_GSM), dtype="float32", kv_cache_dtype="fp8"), prompts)
+    ref = greedy(LLM(str(TINY_GSM), dtype=DT), prompts)
+    fp8 = greedy(LLM(str(TINY_GSM), dtype=DT, kv_cache_dtype="fp8"), prompts)
     assert sum(a == b for a, b in zip(ref, fp8)) >= 14
 
 
@@ -211,9 +216,9 @@ def test_fp8_prefix_caching_and_preemption_change_nothing():
     """An FP8 cache is deterministic: recomputed (preempted) and shared (prefix-cached) blocks
     hold the same bytes, so outputs match a roomy FP8 engine exactly."""
     prompts = [gsm_prompts(1)[0] + " " * i for i in range(8)]   # a shared prefix
-    roomy = greedy(LLM(str(TINY_GSM), dtype="float32", kv_cache_dtype="fp8", enable_prefix_caching=False),
+    roomy = greedy(LLM(str(TINY_GSM), dtype=DT, kv_cache_dtype="fp8", enable_prefix_caching=False),
                    prompts, 32)
-    tight = LLM(str(TINY_GSM), dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=24, max_num_seqs=8)
+    tight = LLM(str(TINY_GSM), dtype=DT, kv_cache_dtype="fp8", num_kv_blocks=24, max_num_seqs=8)
     assert greedy(tight, prompts, 32) == roomy
     assert tight.llm_engine.scheduler.num_preemptions > 0
 
@@ -221,7 +226,7 @@ def test_fp8_prefix_caching_and_preemption_change_nothing():
 def test_fp8_v_past_its_bound_saturates(tiny_ckpt):
     """If a checkpoint broke the v bound (here: scales 100x too small), stores clamp at +-448:
     outputs change but stay finite."""
-    llm = LLM(str(tiny_ckpt), kv_cache_dtype="fp8", num_kv_blocks=64)
+    llm = LLM(str(tiny_ckpt), dtype=DT, kv_cache_dtype="fp8", num_kv_blocks=64)
     for layer in llm.llm_engine.runner.model.layers:
         layer.attn.impl.v_scale /= 100
     llm.llm_engine.runner.kv_cache.zero_()           # torch.empty: unwritten bytes may read as NaN

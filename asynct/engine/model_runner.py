@@ -48,6 +48,10 @@ class ModelRunner:
                  max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager, kv_cache_dtype="auto"):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
+        if is_fp8(self.kv_dtype) and self.device.type == "cuda" and dtype == torch.float32:
+            # Triton 3.6 fails to compile the FP8 prefill for fp32 queries (a layout pass)
+            raise ValueError("kv_cache_dtype='fp8' on CUDA needs a 16-bit model dtype: "
+                             "pass dtype='bfloat16' or 'float16'")
         self.eos_token_id = config.eos_token_id
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
