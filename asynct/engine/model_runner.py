@@ -6,7 +6,6 @@ step N stay on the device and become step N+1's inputs there; only their copies 
 (pinned, non-blocking) are waited for, one step later."""
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -14,33 +13,12 @@ from asynct.attention import StepInputs, resolve_backend
 from asynct.attention.base import host_to_device
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
-from asynct.engine.outputs import Logprob
-from asynct.engine.sampler import sample, token_logprobs
+from asynct.engine.sampler import sample
 from asynct.engine.scheduler import ScheduledBatch
+from asynct.engine.step_output import LaunchedStep, StepOutput, entries, logprob_tensors, to_host
 from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
-
-
-@dataclass
-class StepOutput:
-    tokens: list[int | None]                       # per scheduled seq; None while prefilling
-    logprobs: list[dict[int, Logprob] | None]
-    prompt_logprobs: list[list[dict[int, Logprob]]]  # per seq: entries for this chunk's positions
-
-
-@dataclass
-class LaunchedStep:
-    """A step on the device, and what the host needs to finish it once the device is done."""
-    batch: ScheduledBatch
-    samplers: list[int]          # batch rows that sample, in the order of the sampled tensor
-    prompt_rows: list            # (batch row, hidden row, target token) of prompt logprobs
-    host: dict                   # pinned host copies, filled by non-blocking copies
-    done: torch.cuda.Event | None
-    kind: str                    # "graph" (decode replay), "decode", "mixed" or "prefill"
-    events: tuple = ()           # (start, end) around the device work, when timed
-    host_s: float = 0.0          # host time spent launching it
-    kv_tokens: int = 0           # keys its attention reads
 
 
 class ModelRunner:
@@ -220,7 +198,7 @@ class ModelRunner:
             seqs = [batch.seqs[i] for i in samplers]
             sampled = sample(logits[:len(samplers)], seqs, self.eos_token_id)
             self.last_sampled = sampled
-            host["tokens"] = _to_host(sampled)
+            host["tokens"] = to_host(sampled)
             host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)
         if prompt_rows:
             host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, logits[len(samplers):])
@@ -230,7 +208,7 @@ class ModelRunner:
         want = [s.params.logprobs for s in seqs]
         if all(w is None for w in want):
             return None
-        return want, _logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), sampled,
+        return want, logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), sampled,
                                       max(w or 0 for w in want))
 
     def _prompt_logprob_rows(self, batch, qsl):
@@ -248,7 +226,7 @@ class ModelRunner:
     def _prompt_logprob_tensors(self, batch, prompt_rows, logits):
         targets = host_to_device([t for _, _, t in prompt_rows], torch.long, logits.device)
         want = [batch.seqs[i].params.prompt_logprobs for i, _, _ in prompt_rows]
-        return want, _logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), targets, max(want))
+        return want, logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), targets, max(want))
 
     # ---- finishing a step -----------------------------------------------------------------
     def finish(self, launched: LaunchedStep) -> StepOutput:
@@ -260,13 +238,13 @@ class ModelRunner:
         logprobs: list = [None] * len(batch.seqs)
         if launched.samplers:
             sampled = host["tokens"].tolist()
-            entries = _entries(host["logprobs"], sampled)
+            lps = entries(host["logprobs"], sampled)
             for j, i in enumerate(launched.samplers):
-                tokens[i], logprobs[i] = sampled[j], entries[j]
+                tokens[i], logprobs[i] = sampled[j], lps[j]
         prompt = [[] for _ in batch.seqs]
         if launched.prompt_rows:
             targets = [t for _, _, t in launched.prompt_rows]
-            for (i, _, _), e in zip(launched.prompt_rows, _entries(host["prompt"], targets)):
+            for (i, _, _), e in zip(launched.prompt_rows, entries(host["prompt"], targets)):
                 prompt[i].append(e)
         return StepOutput(tokens, logprobs, prompt)
 
@@ -279,37 +257,3 @@ def _kind(batch: ScheduledBatch) -> str:
     if batch.num_decodes == len(batch.seqs):
         return "decode"
     return "mixed" if batch.num_decodes else "prefill"
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    if not t.is_cuda:
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)
-
-
-def _logprob_tensors(logprobs, tokens, num_top):
-    """Per row on the host (non-blocking copies): the chosen token's logprob and rank, and the
-    top `num_top` ids and logprobs."""
-    chosen, ranks, top = token_logprobs(logprobs, tokens, num_top)
-    parts = (chosen, ranks) + ((top.indices, top.values) if top is not None else ())
-    return tuple(_to_host(p) for p in parts)
-
-
-def _entries(packed, tokens: list[int]) -> list:
-    """vLLM's logprob dicts: the chosen token first, then the top `num_top[row]` by rank."""
-    if packed is None:
-        return [None] * len(tokens)
-    want, parts = packed
-    chosen, ranks = parts[0].tolist(), parts[1].tolist()
-    top_ids, top_lps = (parts[2].tolist(), parts[3].tolist()) if len(parts) > 2 else ([], [])
-    out = []
-    for j, k in enumerate(want):
-        if k is None:
-            out.append(None)
-            continue
-        entry = {tokens[j]: Logprob(chosen[j], ranks[j])}
-        for r in range(k):
-            entry.setdefault(top_ids[j][r], Logprob(top_lps[j][r], r + 1))
-        out.append(entry)
-    return out
