@@ -1,4 +1,5 @@
 """Tokenizer glue: encoding, incremental detokenization and stop strings."""
+import json
 from pathlib import Path
 
 from asynct.engine.outputs import Logprob
@@ -20,6 +21,11 @@ class Detokenizer:
         p = Path(path)
         if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             return None
+        if (p / "tokenizer.json").exists() and _tokenizer_class(p) in GENERIC_CLASSES:
+            # a plain tokenizer.json: AutoTokenizer would load the same class, after importing
+            # every model family's config (3 s of a 3.1 s engine start on a CPU)
+            from transformers import PreTrainedTokenizerFast
+            return cls(PreTrainedTokenizerFast.from_pretrained(p))
         from transformers import AutoTokenizer
         return cls(AutoTokenizer.from_pretrained(p))
 
@@ -60,3 +66,11 @@ class Detokenizer:
                 seq.text, seq.stop_reason = seq.text[:end], stop
                 return True
         return False
+
+
+GENERIC_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}   # no model-specific code
+
+
+def _tokenizer_class(path: Path):
+    config = path / "tokenizer_config.json"
+    return json.loads(config.read_text()).get("tokenizer_class") if config.exists() else None
