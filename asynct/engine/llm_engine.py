@@ -106,6 +106,16 @@ class LLMEngine:
         self._last_step_end = None
         self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
 
+    def summary(self) -> dict:
+        """What the engine was built with, for start-up logs."""
+        r = self.runner
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "max_model_len": self.max_model_len, "num_kv_blocks": self.block_manager.num_blocks,
+                "block_size": self.args.block_size,
+                "kv_cache_gib": self.block_manager.num_blocks * r.block_bytes / 2**30,
+                "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."), "attention_backend": r.backend.name,
+                "cuda_graphs": r.use_graphs, "startup_seconds": sum(self.startup_seconds.values())}
+
     def _num_kv_blocks(self) -> int:
         a = self.args
         if a.num_kv_blocks:
