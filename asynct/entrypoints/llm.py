@@ -13,7 +13,12 @@ log = logging.getLogger("asynct")
 
 
 class LLM:
-    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., ...)"""
+    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., seed=None, ...)
+
+    vLLM's options that asynct shares: `seed` (the random state unseeded requests sample from;
+    a request's own seed wins), `tensor_parallel_size` (1; tensor parallelism runs through
+    vLLM and asynct's plugin, docs/vllm.md), `trust_remote_code` (accepted, ignored: a checkpoint
+    runs no code of its own)."""
 
     def __init__(self, model: str, **kwargs):
         known = {f.name for f in fields(EngineArgs)}
@@ -49,6 +54,19 @@ class LLM:
             for rid in ids:
                 self.llm_engine.abort_request(rid)
         return [results[r] for r in ids]
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the tokenizer's chat template (or `chat_template`), then generated."""
+        from asynct.entrypoints.chat_utils import render_conversations
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages is a list of messages or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = render_conversations(self.get_tokenizer(), conversations, chat_template, add_generation_prompt,
+                                       continue_final_message, tools, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, results, total, use_tqdm):
         engine = self.llm_engine

@@ -182,16 +182,24 @@ class Guard:
 def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,
              max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
              limits: ServerLimits | None = None, log_stats_interval: float | None = 10.0,
-             **engine_kwargs) -> FastAPI:
+             chat_template: str | None = None, **engine_kwargs) -> FastAPI:
     """Starts the engine process and waits for its model (the slow part), then builds the app.
     `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it).
-    `log_stats_interval`: seconds between throughput log lines (None: none)."""
+    `log_stats_interval`: seconds between throughput log lines (None: none). `chat_template`: a
+    Jinja template or a file holding one, in place of the tokenizer's."""
     import time
 
     from asynct.engine.llm_engine import EngineArgs, LLMEngine
+    from asynct.entrypoints.chat_utils import load_chat_template
+    from asynct.engine.detokenizer import Detokenizer
+    template, args = load_chat_template(chat_template), EngineArgs(model=str(model), **engine_kwargs)
+    if template is not None and Detokenizer.from_path(args.tokenizer or args.model) is None:
+        raise ValueError("--chat-template needs a tokenizer; this checkpoint has none")
     t0 = time.perf_counter()
-    engine = AsyncEngine(EngineArgs(model=str(model), **engine_kwargs), max_queued_requests, make_engine or LLMEngine)
+    engine = AsyncEngine(args, max_queued_requests, make_engine or LLMEngine)
     ctx = ServingContext(engine, str(model), served_model_name, limits)
+    if template is not None:
+        ctx.tokenizer.chat_template = template
     if engine.summary:
         log.info(summary_line(ctx.model_name, str(model), engine.summary, time.perf_counter() - t0))
     return build_app(ctx, api_key, max_body_bytes, log_stats_interval)
