@@ -75,3 +75,9 @@ def test_load_chat_template(tmp_path):
     assert load_chat_template(None) is None
     with pytest.raises(ValueError, match="looks like a file path"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_progress_bar_shows_input_and_output_speed(llm, capsys):
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "est. speed input: " in err and " toks/s, output: " in err

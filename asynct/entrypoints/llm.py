@@ -71,14 +71,18 @@ class LLM:
     def _run(self, results, total, use_tqdm):
         engine = self.llm_engine
         bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, initial=len(results))
-        start, generated = time.perf_counter(), engine.stats["generation_tokens"]
+        start, prompt, generated = (time.perf_counter(), engine.stats["prompt_tokens"],
+                                    engine.stats["generation_tokens"])
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
-            rate = (engine.stats["generation_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
+            # vLLM's postfix: prompt tokens count too (loglikelihood requests are nearly all prompt)
+            dt = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"est. speed input: {(engine.stats['prompt_tokens'] - prompt) / dt:.2f} toks/s, "
+                                f"output: {(engine.stats['generation_tokens'] - generated) / dt:.2f} toks/s",
+                                refresh=False)
         bar.close()
 
 
