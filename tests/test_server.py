@@ -162,6 +162,57 @@ def test_models_health_metrics(url):
         assert f"# TYPE asynct_{name} " in text and f"\nasynct_{name}{{" in text
 
 
+
+def histograms(text: str) -> dict:
+    """name -> {"buckets": [(le, cumulative count)], "sum": s, "count": n}, read from /metrics."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith("asynct_"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        name = series.split("{")[0]
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix) and name.endswith(("seconds" + suffix)):
+                h = out.setdefault(name[:-len(suffix)], {"buckets": []})
+                if suffix == "_bucket":
+                    le = series.split('le="')[1].split('"')[0]
+                    h["buckets"].append((float(le), int(value)))
+                else:
+                    h[suffix[1:]] = float(value)
+    return out
+
+
+def test_latency_histograms(url, client):
+    names = ["asynct_time_to_first_token_seconds", "asynct_inter_token_latency_seconds",
+             "asynct_e2e_request_latency_seconds"]
+    text = httpx.get(url + "/metrics").text
+    for name in names:
+        assert f"# TYPE {name} histogram" in text
+    before = histograms(text)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 10
+    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, temperature=0, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks
+    client.completions.create(model="tiny", prompt="x", max_tokens=1, temperature=0)
+    after = histograms(httpx.get(url + "/metrics").text)
+    grew = {n: after[n]["count"] - before[n]["count"] for n in names}
+    # 4 requests ended; first and inter-token times are seen for the streamed one (1 + 3) and the
+    # one-token one; the non-streaming 5-token ones come back whole: no first-token time there
+    assert grew == {names[0]: 2, names[1]: 3, names[2]: 4}
+    bounds = {names[0]: 0.001, names[1]: 0.01, names[2]: 0.3}      # vLLM's first bucket bounds
+    for n in names:
+        h = after[n]
+        les = [le for le, _ in h["buckets"]]
+        assert les[0] == bounds[n] and les[-1] == math.inf and les == sorted(les)
+        counts = [c for _, c in h["buckets"]]
+        assert counts == sorted(counts) and counts[-1] == h["count"]      # cumulative, +Inf = count
+        assert h["sum"] > before[n]["sum"]
+    assert after[names[2]]["sum"] - before[names[2]]["sum"] >= after[names[0]]["sum"] - before[names[0]]["sum"]
+
+
 BAD = [  # (why, body or raw bytes, headers, status, words in the message)
     ("malformed JSON", b'{"model": "tiny", "prompt": "x",', None, 400, "malformed JSON"),
     ("JSON that is not an object", b"[1, 2]", None, 400, ""),
@@ -219,3 +270,32 @@ def test_chat_without_template_is_a_clear_400(tmp_path, tiny_ckpt):
         r = post(u, {"model": "plain", "messages": [{"role": "user", "content": "hi"}]}, "/v1/chat/completions")
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
         assert post(u, {"model": "plain", "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_throughput_log_line():
+    from types import SimpleNamespace
+
+    from asynct.entrypoints.serve.metrics import ThroughputLogger
+    snap = {"prompt_tokens": 0, "generation_tokens": 0, "running": 0, "waiting": 0, "blocks_total": 100,
+            "blocks_free": 100, "prefix_cache_hit_rate": 0.0}
+    engine = SimpleNamespace(snapshot=dict(snap))
+    logger = ThroughputLogger(engine, interval=10)
+    assert logger.line() is None                  # idle: nothing to say
+    t = logger.last[0]
+    logger.last = (t - 10, 0, 0)
+    engine.snapshot = {**snap, "prompt_tokens": 500, "generation_tokens": 200, "running": 3, "waiting": 1,
+                       "blocks_free": 75, "prefix_cache_hit_rate": 0.5}
+    line = logger.line()
+    assert line.startswith("Avg prompt throughput: 50.0 tokens/s, Avg generation throughput: 20.0 tokens/s, ")
+    assert line.endswith("Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 50.0%")
+
+
+def test_startup_summary_line(llm, tiny_ckpt):
+    from asynct.entrypoints.serve.metrics import summary_line
+    s = llm.llm_engine.summary()
+    line = summary_line("tiny", str(tiny_ckpt), s, 2.345)
+    blocks = llm.llm_engine.block_manager.num_blocks
+    assert line.startswith(f"model tiny ({tiny_ckpt}): float32 on cpu, max_model_len 2048, "
+                           f"KV cache {blocks} blocks x 16 = {16 * blocks} tokens (")
+    assert line.endswith("GiB, float32), attention torch, CUDA graphs off, engine started in 2.3 s")
+    assert 0.9 < s["kv_cache_gib"] <= 1.0        # the CPU default: 1 GiB of KV cache

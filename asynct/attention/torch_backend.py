@@ -1,4 +1,4 @@
-"""The `torch` backend: the seed's vectorised path, on any device.
+"""The `torch` backend: the vectorised path of the original vLLM adaptation, on any device.
 
 Per step, the builder sorts the sequences by length and packs them into buckets whose padded
 size stays under a budget; for each bucket it expands block tables into token indices once.
@@ -15,7 +15,7 @@ from asynct.ops import write_kv_cache
 from asynct.ops.asynci import asynci_attention
 from asynct.ops.kv_cache import dequantize
 
-MAX_BUCKET_KEYS = 1 << 17        # padded keys gathered per bucket (the seed's 131072)
+MAX_BUCKET_KEYS = 1 << 17        # padded keys gathered per bucket (131072, as in the original vLLM adaptation)
 MAX_BUCKET_SCORES = 1 << 22      # padded query x key scores per head per bucket
 
 

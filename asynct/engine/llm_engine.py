@@ -38,6 +38,20 @@ class EngineArgs:
     tokenizer: str | None = None
     async_scheduling: bool = True         # launch step N+1 before finishing step N
     kv_cache_dtype: str = "auto"          # "fp8" (e4m3, static scales from the weights: docs/fp8_kv.md)
+    # vLLM's: seed: the random state sampling starts from (unseeded requests draw from it; a
+    # request's own seed wins); tensor_parallel_size: 1 only; trust_remote_code: accepted and
+    # ignored (an asynct checkpoint runs no code of its own)
+    seed: int | None = None
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: an asynct engine runs on one "
+                             "GPU; for tensor parallelism serve the checkpoint with vLLM and asynct's plugin "
+                             "(docs/vllm.md)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
 
 @dataclass
@@ -72,6 +86,8 @@ class Request:
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
+        if args.seed is not None:
+            torch.manual_seed(args.seed)      # every device's default generator, as vLLM seeds its workers
         self.config = prepare_config_for_load(args.model)
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
@@ -105,6 +121,16 @@ class LLMEngine:
         self.in_flight: LaunchedStep | None = None   # launched, not finished (async scheduling)
         self._last_step_end = None
         self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
+
+    def summary(self) -> dict:
+        """What the engine was built with, for start-up logs."""
+        r = self.runner
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "max_model_len": self.max_model_len, "num_kv_blocks": self.block_manager.num_blocks,
+                "block_size": self.args.block_size,
+                "kv_cache_gib": self.block_manager.num_blocks * r.block_bytes / 2**30,
+                "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."), "attention_backend": r.backend.name,
+                "cuda_graphs": r.use_graphs, "startup_seconds": sum(self.startup_seconds.values())}
 
     def _num_kv_blocks(self) -> int:
         a = self.args

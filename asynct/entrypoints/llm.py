@@ -13,7 +13,12 @@ log = logging.getLogger("asynct")
 
 
 class LLM:
-    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., ...)"""
+    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., seed=None, ...)
+
+    vLLM's options that asynct shares: `seed` (the random state unseeded requests sample from;
+    a request's own seed wins), `tensor_parallel_size` (1; tensor parallelism runs through
+    vLLM and asynct's plugin, docs/vllm.md), `trust_remote_code` (accepted, ignored: a checkpoint
+    runs no code of its own)."""
 
     def __init__(self, model: str, **kwargs):
         known = {f.name for f in fields(EngineArgs)}
@@ -50,17 +55,34 @@ class LLM:
                 self.llm_engine.abort_request(rid)
         return [results[r] for r in ids]
 
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the tokenizer's chat template (or `chat_template`), then generated."""
+        from asynct.entrypoints.chat_utils import render_conversations
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages is a list of messages or a list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        prompts = render_conversations(self.get_tokenizer(), conversations, chat_template, add_generation_prompt,
+                                       continue_final_message, tools, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _run(self, results, total, use_tqdm):
         engine = self.llm_engine
         bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, initial=len(results))
-        start, generated = time.perf_counter(), engine.stats["generation_tokens"]
+        start, prompt, generated = (time.perf_counter(), engine.stats["prompt_tokens"],
+                                    engine.stats["generation_tokens"])
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
-            rate = (engine.stats["generation_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
-            bar.set_postfix_str(f"output {rate:.0f} tok/s", refresh=False)
+            # vLLM's postfix: prompt tokens count too (loglikelihood requests are nearly all prompt)
+            dt = max(time.perf_counter() - start, 1e-9)
+            bar.set_postfix_str(f"est. speed input: {(engine.stats['prompt_tokens'] - prompt) / dt:.2f} toks/s, "
+                                f"output: {(engine.stats['generation_tokens'] - generated) / dt:.2f} toks/s",
+                                refresh=False)
         bar.close()
 
 

@@ -1,4 +1,4 @@
-"""AsyncI attention on dense (unpaged) tensors: the plain-PyTorch reference of MODEL.md.
+"""AsyncI attention on dense (unpaged) tensors: the plain-PyTorch reference of docs/model.md.
 
     s_j  = scale * (q_i . k_j)
     r_j  = relu(s_j) if relu_pre else s_j

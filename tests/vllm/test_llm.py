@@ -82,7 +82,7 @@ def test_tied_head_per_channel_alpha_odd_head(tied_ckpt, cpu_attn_calls):
 
 
 def test_bfloat16_runs(tiny_ckpt, cpu_attn_calls):
-    """bf16 weights and cache: no token equality (MODEL.md allows bf16 rounding), only that it
+    """bf16 weights and cache: no token equality (docs/model.md allows bf16 rounding), only that it
     runs through the backend and stays close to the fp32 reference."""
     prompts = make_prompts()
     (got,), stats = run_llm(tiny_ckpt, prompts, dtype="bfloat16")

@@ -14,12 +14,25 @@ def add_parser(sub):
     p.add_argument("--api-key", default=os.environ.get("ASYNCT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (env ASYNCT_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL_DIR)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds the engine's sampling: requests without a seed of their own draw from it")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="1: an engine runs on one GPU (tensor parallelism: vLLM with asynct's plugin, docs/vllm.md)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM's command lines; asynct checkpoints run no code of their own")
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests that may wait beyond the running batch (--max-num-seqs); more get 429 "
                         "(default: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
     add_limit_args(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="asynct's log level")
+    p.add_argument("--uvicorn-log-level", default=None,
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (default: --log-level)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic throughput line (it comes every 10 s while requests run)")
     p.add_argument("--access-log", action="store_true", help="log every request (slows heavy load)")
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve)
@@ -62,6 +75,9 @@ def cmd_serve(a):
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     app = make_app(a.model, a.served_model_name, a.api_key, a.max_queued_requests, a.max_request_bytes,
-                   limits=server_limits(a), **engine_kwargs(a))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, access_log=a.access_log,
+                   limits=server_limits(a), chat_template=a.chat_template,
+                   log_stats_interval=None if a.disable_log_stats else 10.0, seed=a.seed,
+                   tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=a.trust_remote_code,
+                   **engine_kwargs(a))
+    uvicorn.run(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level or a.log_level, access_log=a.access_log,
                 timeout_graceful_shutdown=5, **connection_options(app))

@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from asynct.entrypoints.serve.async_engine import AsyncEngine
 from asynct.entrypoints.serve.chat import create_chat_completion, render_chat
 from asynct.entrypoints.serve.completions import create_completion
-from asynct.entrypoints.serve.metrics import render_metrics
+from asynct.entrypoints.serve.metrics import ThroughputLogger, render_metrics, summary_line
 from asynct.entrypoints.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                TokenizeRequest)
 from asynct.entrypoints.serve.limits import ServerLimits
@@ -22,12 +22,17 @@ log = logging.getLogger("asynct.serve")
 PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # /health, /metrics stay open
 
 
-def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 16 << 20) -> FastAPI:
+def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 16 << 20,
+              log_stats_interval: float | None = 10.0) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         import asyncio
         ctx.engine.start(asyncio.get_running_loop())
+        stats = asyncio.create_task(ThroughputLogger(ctx.engine, log_stats_interval).run()) \
+            if log_stats_interval else None
         yield
+        if stats:
+            stats.cancel()
         ctx.engine.stop()
 
     app = FastAPI(title="asynct", lifespan=lifespan)
@@ -61,7 +66,7 @@ def add_routes(app: FastAPI, ctx: ServingContext):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(ctx.engine, ctx.model_name, app.state.http_counts),
+        return PlainTextResponse(render_metrics(ctx.engine, ctx.model_name, app.state.http_counts, ctx.latency),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
@@ -176,10 +181,25 @@ class Guard:
 
 def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,
              max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
-             limits: ServerLimits | None = None, **engine_kwargs) -> FastAPI:
+             limits: ServerLimits | None = None, log_stats_interval: float | None = 10.0,
+             chat_template: str | None = None, **engine_kwargs) -> FastAPI:
     """Starts the engine process and waits for its model (the slow part), then builds the app.
-    `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it)."""
+    `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it).
+    `log_stats_interval`: seconds between throughput log lines (None: none). `chat_template`: a
+    Jinja template or a file holding one, in place of the tokenizer's."""
+    import time
+
     from asynct.engine.llm_engine import EngineArgs, LLMEngine
-    engine = AsyncEngine(EngineArgs(model=str(model), **engine_kwargs), max_queued_requests, make_engine or LLMEngine)
+    from asynct.entrypoints.chat_utils import load_chat_template
+    from asynct.engine.detokenizer import Detokenizer
+    template, args = load_chat_template(chat_template), EngineArgs(model=str(model), **engine_kwargs)
+    if template is not None and Detokenizer.from_path(args.tokenizer or args.model) is None:
+        raise ValueError("--chat-template needs a tokenizer; this checkpoint has none")
+    t0 = time.perf_counter()
+    engine = AsyncEngine(args, max_queued_requests, make_engine or LLMEngine)
     ctx = ServingContext(engine, str(model), served_model_name, limits)
-    return build_app(ctx, api_key, max_body_bytes)
+    if template is not None:
+        ctx.tokenizer.chat_template = template
+    if engine.summary:
+        log.info(summary_line(ctx.model_name, str(model), engine.summary, time.perf_counter() - t0))
+    return build_app(ctx, api_key, max_body_bytes, log_stats_interval)

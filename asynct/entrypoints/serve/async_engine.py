@@ -75,6 +75,7 @@ class AsyncEngine:
         core_outbox.close()              # so that the core's exit reads as EOF here
         info = self._wait_ready()
         self.max_model_len, self.vocab_size = info["max_model_len"], info["vocab_size"]
+        self.summary = info.get("summary", {})     # the engine's build, for the start-up log line
         self.routes: dict[str, tuple[RequestHandle, int, RequestOutput]] = {}   # loop thread only
         self.sendq: queue.SimpleQueue = queue.SimpleQueue()
         self.loop: asyncio.AbstractEventLoop | None = None

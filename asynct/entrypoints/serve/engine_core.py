@@ -25,7 +25,7 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
         outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
     outbox.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                           "snapshot": snapshot(engine)}))
+                           "snapshot": snapshot(engine), "summary": engine.summary()}))
     EngineCore(engine, outbox).run(inbox)
 
 

@@ -13,6 +13,7 @@ from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.sampling_params import SamplingParams
 from asynct.entrypoints.serve.async_engine import AsyncEngine, EngineError, QueueFull, RequestHandle
 from asynct.entrypoints.serve.limits import ServerLimits
+from asynct.entrypoints.serve.metrics import LatencyStats
 
 
 class ApiError(Exception):
@@ -82,6 +83,7 @@ class ServingContext:
         self.max_model_len = engine.max_model_len
         self.max_prompt_chars = self.limits.max_prompt_chars or self._prompt_chars_that_fit()
         self.created = int(time.time())
+        self.latency = LatencyStats()
 
     def _prompt_chars_that_fit(self) -> int:
         """No token spells more characters than the vocabulary's longest, so a longer text cannot
@@ -135,11 +137,13 @@ class ServingContext:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> RequestHandle:
         try:
-            return self.engine.submit(prompts, params, stream)
+            handle = self.engine.submit(prompts, params, stream)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full") from None
         except EngineError as e:
             raise ApiError(e.status, str(e)) from None
+        self.latency.track(handle, stream)
+        return handle
 
 
 def request_id(prefix: str) -> str:

@@ -1,4 +1,4 @@
-"""AsyncT (MODEL.md) as a vLLM model: vLLM's parallel layers, DyHT, ReGLU, AsyncI attention.
+"""AsyncT (docs/model.md) as a vLLM model: vLLM's parallel layers, DyHT, ReGLU, AsyncI attention.
 
 Loads the spec's checkpoint format as is: q/k/v and gate/up are stacked into vLLM's fused
 projections at load time, DyHT `alpha` / `weight` of shape [1] are broadcast to their channels.
@@ -55,7 +55,7 @@ def _broadcast_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """DyHT alpha/weight: the checkpoint may hold [1] (shared) or [C] (per channel)."""
     if loaded.numel() not in (1, param.numel()):
         raise ValueError(f"DyHT parameter of {param.numel()} channels got shape "
-                         f"{tuple(loaded.shape)}; MODEL.md allows [1] or [{param.numel()}]")
+                         f"{tuple(loaded.shape)}; docs/model.md allows [1] or [{param.numel()}]")
     param.data.copy_(loaded.reshape(-1).expand(param.numel()).view(param.shape))
 
 
@@ -109,7 +109,7 @@ class AsyncTAttention(nn.Module):
     def forward(self, positions, x):
         qkv, _ = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        # qk-norm acts on each head's vector, then RoPE (MODEL.md: rope after the norm).
+        # qk-norm acts on each head's vector, then RoPE (docs/model.md: rope after the norm).
         q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
         k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).flatten(-2)
         q, k = self.rotary_emb(positions, q, k)
@@ -225,7 +225,7 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
                 continue
             if pname not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the AsyncT model "
-                                 f"(is the checkpoint made for MODEL.md?)")
+                                 f"(is it an asynct checkpoint, docs/model.md?)")
             param = params[pname]
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor) if shard is None else loader(param, tensor, shard)

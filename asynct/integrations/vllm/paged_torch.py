@@ -3,7 +3,7 @@
 The cache is the `[2, num_blocks, block_size, Hkv, D]` view of vLLM's (`attend.as_ops_layout`),
 of any strides: everything here goes through indexing, never through `.view()` of the cache.
 
-The batched path follows the seed's diary (1.2-1.4): the scheduler's batch is cut once per step
+The batched path is the original vLLM adaptation's: the scheduler's batch is cut once per step
 into groups of (request, query-row range) segments whose padded score tensor fits a budget; each
 layer then does one gather, two matmuls and the gate per group, with no per-request Python.
 """
@@ -80,7 +80,7 @@ def plan(query_start_loc, seq_lens, block_table, block_size, num_heads, budget=S
 
 
 def attend(query, kv_cache, groups, sigma, scale, pool_size, relu_pre, out):
-    """AsyncI of every query row [T, Hq, D] into `out` [T, Hq, D], per MODEL.md: products in the
+    """AsyncI of every query row [T, Hq, D] into `out` [T, Hq, D], per docs/model.md: products in the
     inputs' dtype taken to fp32, gate in fp32 (as the reference model does)."""
     g = query.shape[1] // kv_cache.shape[3]
     for grp in groups:

@@ -1,0 +1,49 @@
+"""Chat templates as vLLM takes them: `--chat-template` is a file or the template itself, and
+`LLM.chat` renders conversations with the tokenizer's template (or one given)."""
+from pathlib import Path
+
+JINJA_CHARS = "{}\n"      # vLLM's test: a template has these, a file name has not
+
+
+def load_chat_template(template: str | None) -> str | None:
+    """The template a `--chat-template` value names: the file's text where it is a file, else
+    the value itself where it looks like a Jinja template; ValueError otherwise."""
+    if template is None:
+        return None
+    path = Path(template)
+    if not any(c in template for c in JINJA_CHARS):
+        try:
+            return path.read_text()
+        except OSError as e:
+            raise ValueError(f"the chat template {template!r} looks like a file path, but it cannot be "
+                             f"read: {e.strerror or e}") from None
+    return template
+
+
+def render_conversations(tokenizer, conversations, chat_template=None, add_generation_prompt=True,
+                         continue_final_message=False, tools=None, chat_template_kwargs=None) -> list[str]:
+    """Each conversation (a list of {"role", "content"} messages) as its prompt text."""
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer, so LLM.chat cannot render messages: "
+                         "use LLM.generate with prompt_token_ids")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise ValueError("the tokenizer has no chat template: pass chat_template='...' (a Jinja template) "
+                         "or use LLM.generate with a prompt")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+    return [tokenizer.apply_chat_template([_flatten(m) for m in conv], chat_template=template, tokenize=False,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message, tools=tools,
+                                          **(chat_template_kwargs or {}))
+            for conv in conversations]
+
+
+def _flatten(message: dict) -> dict:
+    """OpenAI's content parts [{"type": "text", "text": ...}, ...] become one string."""
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise ValueError("only text content parts are supported")
+        return {**message, "content": "".join(p.get("text") or "" for p in content)}
+    return message

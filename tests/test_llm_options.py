@@ -1,0 +1,83 @@
+"""vLLM's options on `LLM` (seed, tensor_parallel_size, trust_remote_code), `LLM.chat`, and
+`--chat-template`'s file-or-inline rule."""
+import pytest
+
+from asynct import LLM, SamplingParams
+from asynct.entrypoints.chat_utils import load_chat_template
+
+PROMPTS = ["Hello world", "The quick brown fox", "1 + 1 ="]
+SAMPLE = SamplingParams(temperature=1.0, max_tokens=12)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return LLM(tiny_ckpt, trust_remote_code=True, tensor_parallel_size=1)
+
+
+def texts(outs):
+    return [o.outputs[0].text for o in outs]
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_ckpt, llm):
+    a = texts(LLM(tiny_ckpt, seed=0).generate(PROMPTS, SAMPLE, use_tqdm=False))
+    b = texts(LLM(tiny_ckpt, seed=0).generate(PROMPTS, SAMPLE, use_tqdm=False))
+    c = texts(LLM(tiny_ckpt, seed=1).generate(PROMPTS, SAMPLE, use_tqdm=False))
+    assert a == b and a != c
+    # a request's own seed wins over the engine's
+    own = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
+    assert texts(LLM(tiny_ckpt, seed=3).generate(PROMPTS, own, use_tqdm=False)) == \
+        texts(llm.generate(PROMPTS, own, use_tqdm=False))
+
+
+def test_tensor_parallel_size_other_than_one_is_a_clear_error(tiny_ckpt):
+    with pytest.raises(ValueError, match="one GPU.*vLLM.*docs/vllm.md"):
+        LLM(tiny_ckpt, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        LLM(tiny_ckpt, seed="0")
+
+
+def test_chat_renders_with_the_template_and_generates(llm):
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    want = tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    out = llm.chat(MESSAGES, greedy, use_tqdm=False)
+    assert len(out) == 1 and out[0].prompt == want
+    assert out[0].outputs[0].text == llm.generate([want], greedy, use_tqdm=False)[0].outputs[0].text
+    # a list of conversations; OpenAI's text parts; no generation prompt
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
+    outs = llm.chat([MESSAGES, parts], greedy, use_tqdm=False, add_generation_prompt=False)
+    assert [o.prompt for o in outs] == [tok.apply_chat_template(m, tokenize=False) for m in
+                                        (MESSAGES, [{"role": "user", "content": "Hi there"}])]
+    # a template of the caller's own
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}> "
+    assert llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=template)[0].prompt == \
+        "[system] Be brief.\n[user] Hi there\n> "
+
+
+def test_chat_without_template_or_tokenizer_is_a_clear_error(llm, monkeypatch):
+    tok = llm.get_tokenizer()
+    monkeypatch.setattr(tok, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template: pass chat_template"):
+        llm.chat(MESSAGES, use_tqdm=False)
+    monkeypatch.setattr(llm.llm_engine, "detokenizer", None)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.chat(MESSAGES, use_tqdm=False)
+    with pytest.raises(ValueError, match="list of messages"):
+        llm.chat("hi")
+
+
+def test_load_chat_template(tmp_path):
+    f = tmp_path / "t.jinja"
+    f.write_text("{{ messages[0].content }}")
+    assert load_chat_template(str(f)) == "{{ messages[0].content }}"
+    assert load_chat_template("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_progress_bar_shows_input_and_output_speed(llm, capsys):
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "est. speed input: " in err and " toks/s, output: " in err

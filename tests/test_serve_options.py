@@ -1,0 +1,43 @@
+"""`asynct serve`'s vLLM-shaped flags: --chat-template (file or inline), --seed,
+--tensor-parallel-size, --trust-remote-code, --uvicorn-log-level, --disable-log-stats."""
+import httpx
+
+from asynct.entrypoints.cli import build_parser, main
+from asynct.entrypoints.serve.api_server import make_app
+from asynct.entrypoints.serve.launch import ServerThread
+
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def test_flags_parse():
+    a = build_parser().parse_args(["serve", "DIR", "--chat-template", "t.jinja", "--seed", "3", "-tp", "1",
+                                   "--trust-remote-code", "--uvicorn-log-level", "warning", "--disable-log-stats",
+                                   "--served-model-name", "m"])
+    assert (a.chat_template, a.seed, a.tensor_parallel_size, a.trust_remote_code, a.uvicorn_log_level,
+            a.disable_log_stats, a.served_model_name) == ("t.jinja", 3, 1, True, "warning", True, "m")
+    a = build_parser().parse_args(["serve", "DIR"])
+    assert (a.chat_template, a.seed, a.tensor_parallel_size, a.uvicorn_log_level) == (None, None, 1, None)
+
+
+def test_bad_values_fail_before_the_engine_starts(tiny_ckpt, tmp_path, capsys):
+    assert main(["serve", str(tiny_ckpt), "--tensor-parallel-size", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "asynct serve: error: tensor_parallel_size=2: an asynct engine runs on one GPU" in err
+    assert "docs/vllm.md" in err
+    assert main(["serve", str(tiny_ckpt), "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "looks like a file path, but it cannot be read" in capsys.readouterr().err
+
+
+def test_chat_template_file_and_seed(tiny_ckpt, tmp_path):
+    f = tmp_path / "chat.jinja"
+    f.write_text(TEMPLATE)
+    app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=str(f), seed=0, trust_remote_code=True,
+                   log_stats_interval=None)
+    with ServerThread(app) as url:
+        msgs = [{"role": "user", "content": "hi"}]
+        r = httpx.post(url + "/tokenize", json={"messages": msgs}).json()
+        assert bytes(r["tokens"]).decode() == "<user>hi<assistant>"     # the byte-level tokenizer
+        assert httpx.get(url + "/tokenizer_info").json()["chat_template"] == TEMPLATE
+        body = {"messages": msgs, "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+
