@@ -13,14 +13,19 @@ log = logging.getLogger("asynct")
 
 
 class LLM:
-    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., ...)"""
+    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., data_parallel_size=1, ...)"""
 
     def __init__(self, model: str, **kwargs):
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown LLM options {unknown}; known: {sorted(known - {'model'})}")
-        self.llm_engine = LLMEngine(EngineArgs(model=str(model), **kwargs))
+        args = EngineArgs(model=str(model), **kwargs)
+        if args.data_parallel_size != 1:   # engine processes, one per GPU, behind LLMEngine's interface
+            from asynct.engine.data_parallel import DataParallelEngine
+            self.llm_engine = DataParallelEngine(args)
+        else:
+            self.llm_engine = LLMEngine(args)
         self._next_id = 0
 
     def get_tokenizer(self):
