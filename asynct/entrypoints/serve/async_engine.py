@@ -84,12 +84,12 @@ class EngineSlot:
 
 
 class AsyncEngine:
-    def __init__(self, args: EngineArgs, max_queued_requests: int | None = None, make_engine=LLMEngine,
-                 data_parallel_size: int = 1):
-        """Starts the engine processes and waits until they have loaded the model; raises ValueError
-        with the engine's own message when one cannot (a bad checkpoint or option, mostly)."""
+    def __init__(self, args: EngineArgs, max_queued_requests: int | None = None, make_engine=LLMEngine):
+        """Starts the engine processes (args.data_parallel_size) and waits until they have loaded the
+        model; raises ValueError with the engine's own message when one cannot (a bad checkpoint or
+        option, mostly)."""
         self.args, self.max_queued_requests = args, max_queued_requests
-        clients, infos = start_engines(args, make_engine, data_parallel_size)
+        clients, infos = start_engines(args, make_engine, args.data_parallel_size)
         self.engines = [EngineSlot(c, info) for c, info in zip(clients, infos)]
         self.max_model_len = min(info["max_model_len"] for info in infos)
         self.vocab_size = infos[0]["vocab_size"]
