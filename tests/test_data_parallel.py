@@ -139,7 +139,8 @@ def metrics_by_engine(url) -> dict:
 
 def test_server_two_engines_under_load(tiny_ckpt):
     """80 concurrent streams over two engines, a fifth hanging up early: every other stream gets
-    exactly its text alone; both engines served; then every engine is idle with its blocks free."""
+    exactly its text alone; both engines served; then every engine is idle with its blocks free.
+    Then one engine is killed: only its request fails."""
     rng = random.Random(1)
     prompts = ["".join(rng.choice("abcdefghij klmnop,.XYZ0123é") for _ in range(rng.randint(3, 60)))
                for _ in range(10)]
@@ -155,6 +156,7 @@ def test_server_two_engines_under_load(tiny_ckpt):
         assert not wrong, [(texts[i], alone[plan[i][0]]) for i in wrong[:3]]
         total = wait_idle(url)
         m = metrics_by_engine(url)
+        one_engine_killed(url, app.state.ctx.engine.engines[1].client.proc.pid)
     for k in ("0", "1", "total"):
         assert m[("num_requests_running", k)] == m[("num_requests_waiting", k)] == 0
         assert m[("num_requests_in_flight", k)] == 0
@@ -163,3 +165,37 @@ def test_server_two_engines_under_load(tiny_ckpt):
     assert min(m[("generation_tokens_total", k)] for k in "01") > 0
     assert m[("requests_aborted_total", "total")] == total["requests_aborted_total"] == len(leaving)
     assert sum(m[("generation_tokens_total", k)] for k in "01") == m[("generation_tokens_total", "total")]
+
+
+def one_engine_killed(url, pid):
+    """Two streams, one on each engine (both idle: the first goes to engine 0, the next to 1);
+    engine 1 killed: its stream ends with an error naming it, the other finishes, /health says
+    503, and a new request is served by engine 0."""
+    import httpx
+    body = {"model": "tiny", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def stream(client, prompt, started):
+        lines = []
+        async with client.stream("POST", url + "/v1/completions", json={**body, "prompt": prompt}) as r:
+            async for line in r.aiter_lines():
+                lines += [line] if line else []
+                started.set()
+        return lines
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = [asyncio.Event(), asyncio.Event()]
+            first = asyncio.create_task(stream(client, "on engine 0", started[0]))
+            await started[0].wait()
+            second = asyncio.create_task(stream(client, "on engine 1", started[1]))
+            await started[1].wait()
+            os.kill(pid, signal.SIGKILL)
+            return await first, await second
+
+    survived, killed = asyncio.run(go())
+    assert killed[-1] == "data: [DONE]" and "engine process 1 exited" in killed[-2]
+    assert survived[-1] == "data: [DONE]" and '"finish_reason":"length"' in survived[-2].replace(" ", "")
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "engine process 1 exited" in health.text
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "prompt": "still here", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
