@@ -17,7 +17,7 @@ from asynct.engine.data_parallel import assign, prefix_key
 from asynct.engine.llm_engine import EngineArgs
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
-from test_server_load import MAX_TOKENS, metrics, run_load, wait_idle
+from test_server_load import MAX_TOKENS, run_load, wait_idle
 
 ENGINE = dict(max_num_seqs=4, num_kv_blocks=256)
 SHARED = "All of these questions share this first block of text. "

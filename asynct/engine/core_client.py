@@ -3,7 +3,6 @@ for its model, and runs two threads: a sender that batches adds and aborts into 
 and a receiver that hands every message from the core to a callback. Callers decide where those
 messages go: the server posts them to its event loop, data parallel `LLM` to a queue it drains."""
 import contextlib
-import logging
 import multiprocessing as mp
 import os
 import queue
@@ -11,8 +10,6 @@ import threading
 
 from asynct.engine.core_proc import run_engine_core
 from asynct.engine.llm_engine import EngineArgs, LLMEngine
-
-log = logging.getLogger("asynct.engine")
 
 # every process the engine starts: the GPU machines it runs on need NVLink multicast off
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
