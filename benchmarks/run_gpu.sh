@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests runtime fp8 vllm parity sweep bench engine profile ablation cascade serve eval
+#   stages: smoke gputests runtime fp8 vllm parity sweep bench engine profile ablation cascade serve eval dp
+#   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,6 +41,11 @@ for s in $stages; do
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;
     cascade) timeout 240 python3 benchmarks/cascade_ablation.py --model $M 2>&1 | grep -v "Loading weights" | tee $OUT/cascade.log ;;
     serve) [ -f benchmarks/serve_load.py ] && timeout 150 python3 benchmarks/serve_load.py --model $M 2>&1 | tee $OUT/serve.log ;;
+    dp) timeout 400 python3 benchmarks/dp_bench.py --model $M --json-out $OUT/dp.json 2>&1 | tee $OUT/dp.log
+        for n in 1 2; do
+          timeout 300 python3 benchmarks/eval_bench.py --skip-hf --asynct-args "--model_args data_parallel_size=$n" \
+            2>&1 | tee $OUT/eval_dp$n.log
+        done ;;
     eval) [ -f benchmarks/eval_bench.py ] && timeout 300 python3 benchmarks/eval_bench.py --hf-limit 256 2>&1 | tee $OUT/eval.log ;;
   esac
 done

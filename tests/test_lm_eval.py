@@ -140,6 +140,43 @@ def test_eval_cli_is_lm_evals(capsys, tmp_path):
     assert len(samples["tiny_gsm"]) == 2 * 4  # a sample per document and filter
 
 
+def test_eval_cli_data_parallel(capsys, tmp_path, engine_lm):
+    """data_parallel_size in --model_args reaches LLM: two engine processes answer each sample as
+    the in-process engine does."""
+    from asynct.engine.data_parallel import DataParallelEngine
+    out = tmp_path / "out"
+    try:
+        assert eval_cli("--model", MODEL, "--model_args", "dtype=float32,max_num_seqs=8,data_parallel_size=2",
+                        "--tasks", "tiny_gsm", "tiny_gsm_mc", "--limit", 4, "--gen_kwargs", "max_gen_toks=48",
+                        "--output_path", out, "--log_samples") == 0
+        assert isinstance(AsyncTLM.latest.llm.llm_engine, DataParallelEngine)
+    finally:
+        AsyncTLM.latest.llm.llm_engine.shutdown()
+    assert "asynct eval:" in capsys.readouterr().out
+    results, samples = read_back(out)
+    assert results["results"]["tiny_gsm"]["exact_match,strict-match"] == 1.0
+    one = evaluate(engine_lm, ["tiny_gsm", "tiny_gsm_mc"], limit=4, gen_kwargs="max_gen_toks=48")["samples"]
+    for task in ("tiny_gsm", "tiny_gsm_mc"):
+        key = lambda s: (s["doc_id"], s["filter"])  # noqa: E731
+        for a, b in zip(sorted(samples[task], key=key), sorted(one[task], key=key), strict=True):
+            flat_a, flat_b = flat(a["filtered_resps"]), flat(b["filtered_resps"])
+            assert len(flat_a) == len(flat_b), task
+            for x, y in zip(flat_a, flat_b):   # texts and flags equal, scores within TOL
+                assert x == y or (isinstance(x, float) and math.isclose(x, y, rel_tol=0, abs_tol=TOL)), task
+
+
+def flat(x) -> list:
+    """Scalars of nested responses; lm-eval's sample files write (score, flag) pairs as strings."""
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in flat(item)]
+    if isinstance(x, bool):
+        return [str(x)]
+    try:
+        return [float(x)]
+    except ValueError:
+        return [x]
+
+
 def test_eval_cli_shorthand_include_path_and_chat_template(capsys, tmp_path):
     """`--model DIR` is `--model asynct --model_args pretrained=DIR`; --include_path adds tasks to
     the shipped ones (one here includes a shipped YAML); --apply_chat_template and

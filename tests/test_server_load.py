@@ -218,7 +218,7 @@ def test_engine_process_death_is_reported(tiny_ckpt):
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
-            os.kill(app.state.ctx.engine.proc.pid, signal.SIGKILL)
+            os.kill(app.state.ctx.engine.engines[0].client.proc.pid, signal.SIGKILL)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and "engine process exited" in rest[-2]
         health = httpx.get(url + "/health")

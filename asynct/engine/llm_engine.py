@@ -38,6 +38,7 @@ class EngineArgs:
     tokenizer: str | None = None
     async_scheduling: bool = True         # launch step N+1 before finishing step N
     kv_cache_dtype: str = "auto"          # "fp8" (e4m3, static scales from the weights: docs/fp8_kv.md)
+    data_parallel_size: int = 1           # engine processes, one per GPU (engine/data_parallel.py); 1: this one
     # vLLM's: seed: the random state sampling starts from (unseeded requests draw from it; a
     # request's own seed wins); tensor_parallel_size: 1 only; trust_remote_code: accepted and
     # ignored (an asynct checkpoint runs no code of its own)
@@ -170,16 +171,7 @@ class LLMEngine:
         return req
 
     def _tokenize(self, prompt):
-        if isinstance(prompt, str):
-            if self.detokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
-            return prompt, self.detokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-        ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt token ids must be integers")
-        return None, ids
+        return tokenize(self.detokenizer, prompt)
 
     def check_prompt(self, ids, params):
         check_prompt(ids, params, self.vocab_size, self.max_model_len)
@@ -362,6 +354,20 @@ class LLMEngine:
             return seq.text
         return self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens) \
             if seq.is_finished else ""
+
+
+def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as text or token ids; ValueError if neither."""
+    if isinstance(prompt, str):
+        if detokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
+        return prompt, detokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt token ids must be integers")
+    return None, ids
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):

@@ -228,6 +228,8 @@ def workload_names(s: str) -> list[str]:
 
 
 def cmd_bench(a):
+    if a.data_parallel_size != 1:   # its step log and roofline read one in-process engine
+        raise SystemExit("asynct bench times one engine; for data parallel run benchmarks/dp_bench.py")
     import torch
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if a.model:

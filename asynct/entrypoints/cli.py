@@ -38,12 +38,14 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="finish each step before scheduling the next (debugging, comparisons)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="fp8: e4m3 KV cache, static scales from the weights (docs/fp8_kv.md)")
+    g.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine processes, one per GPU, each with the whole model (docs/serving.md)")
 
 
 def engine_kwargs(a) -> dict:
     keys = ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "gpu_memory_utilization", "attention_backend", "enforce_eager", "enable_prefix_caching",
-            "async_scheduling", "kv_cache_dtype")
+            "async_scheduling", "kv_cache_dtype", "data_parallel_size")
     return {k: getattr(a, k) for k in keys}
 
 

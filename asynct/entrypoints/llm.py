@@ -13,19 +13,25 @@ log = logging.getLogger("asynct")
 
 
 class LLM:
-    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., seed=None, ...)
+    """LLM(model=DIR, dtype=..., device=..., block_size=16, max_num_seqs=..., seed=None,
+    data_parallel_size=1, ...)
 
     vLLM's options that asynct shares: `seed` (the random state unseeded requests sample from;
     a request's own seed wins), `tensor_parallel_size` (1; tensor parallelism runs through
     vLLM and asynct's plugin, docs/vllm.md), `trust_remote_code` (accepted, ignored: a checkpoint
-    runs no code of its own)."""
+    runs no code of its own), `data_parallel_size` (engine processes, one per GPU)."""
 
     def __init__(self, model: str, **kwargs):
         known = {f.name for f in fields(EngineArgs)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown LLM options {unknown}; known: {sorted(known - {'model'})}")
-        self.llm_engine = LLMEngine(EngineArgs(model=str(model), **kwargs))
+        args = EngineArgs(model=str(model), **kwargs)
+        if args.data_parallel_size != 1:   # engine processes, one per GPU, behind LLMEngine's interface
+            from asynct.engine.data_parallel import DataParallelEngine
+            self.llm_engine = DataParallelEngine(args)
+        else:
+            self.llm_engine = LLMEngine(args)
         self._next_id = 0
 
     def get_tokenizer(self):

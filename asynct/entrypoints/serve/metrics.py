@@ -1,4 +1,4 @@
-"""/metrics in Prometheus' text format, from the last snapshot the engine process sent and the
+"""/metrics in Prometheus' text format, from the last snapshot each engine process sent and the
 front end's own latency histograms; the periodic throughput log line."""
 import asyncio
 import bisect
@@ -154,19 +154,21 @@ class ThroughputLogger:
 
 def render_metrics(engine: AsyncEngine, model_name: str, http_counts: dict,
                    latency: LatencyStats | None = None) -> str:
-    snap = engine.snapshot
-    label = f'{{model_name="{_escape(model_name)}"}}'
+    model = f'model_name="{_escape(model_name)}"'
+    # with data parallel, each engine's series (label engine="i"), then the total (no engine label)
+    series = [(f'{{{model},engine="{i}"}}', e) for i, e in enumerate(engine.engines)] if len(engine.engines) > 1 else []
+    series.append((f"{{{model}}}", engine))
     lines = []
     for kind, table in (("gauge", GAUGES), ("counter", COUNTERS)):
         for name, help_, fn in table:
-            lines += [f"# HELP asynct_{name} {help_}", f"# TYPE asynct_{name} {kind}",
-                      f"asynct_{name}{label} {_num(fn(snap, engine))}"]
+            lines += [f"# HELP asynct_{name} {help_}", f"# TYPE asynct_{name} {kind}"]
+            lines += [f"asynct_{name}{label} {_num(fn(e.snapshot, e))}" for label, e in series]
     lines += ["# HELP asynct_http_responses_total HTTP responses by status code",
               "# TYPE asynct_http_responses_total counter"]
     for status, count in sorted(dict(http_counts).items()):
         lines.append(f'asynct_http_responses_total{{model_name="{_escape(model_name)}",status="{status}"}} {count}')
     for h in latency.histograms() if latency else []:
-        lines += h.render(label)
+        lines += h.render(f"{{{model}}}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,7 @@
 """The engine in its own process, as vLLM's EngineCore: the server's event loop then never shares
 a GIL with the step loop (in one process, every HTTP chunk written delays the next step by up to
-the interpreter's 5 ms switch interval). Both ends of the wire live here.
+the interpreter's 5 ms switch interval), and data parallel runs one per device. The wire format
+lives here; `core_client.CoreClient` is the other end.
 
 Front end -> core: ("add", [(rid, token_ids, params, stream), ...]), ("abort", [rid, ...]), ("stop",).
 Core -> front end: ("ready", info with a first snapshot) or ("failed", message) once; then ("outputs", deltas, snapshot),
@@ -12,7 +13,7 @@ import logging
 from asynct.engine.llm_engine import EngineArgs, LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 
-log = logging.getLogger("asynct.serve")
+log = logging.getLogger("asynct.engine")
 
 
 def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
@@ -25,7 +26,8 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
         outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
     outbox.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                           "snapshot": snapshot(engine), "summary": engine.summary()}))
+                           "startup_seconds": engine.startup_seconds, "snapshot": snapshot(engine),
+                           "summary": engine.summary()}))
     EngineCore(engine, outbox).run(inbox)
 
 
@@ -143,4 +145,5 @@ def snapshot(engine: LLMEngine) -> dict:
     return {"running": len(sched.running), "waiting": len(sched.waiting),
             "blocks_total": bm.num_blocks, "blocks_free": bm.num_free_blocks,
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "preemptions": sched.num_preemptions,
+            "prefix_queries": bm.num_queries, "prefix_hits": bm.num_hits,
             **{k: engine.stats[k] for k in ("prompt_tokens", "generation_tokens", "steps")}}

@@ -1,0 +1,211 @@
+"""Data parallel for `LLM`: N engine processes (core_proc.py), one per GPU, behind `LLMEngine`'s
+interface (add_request, step, abort_request), so that `LLM.generate` drives them unchanged.
+
+Requests added between two steps are assigned together at the next step, to balance the work
+(prompt + expected output tokens) and to keep prompts that share their first KV block on one
+engine, where its prefix cache serves them all. A process that dies fails its own requests, with
+an error naming it; the other engines' requests go on."""
+import logging
+import queue
+import weakref
+from dataclasses import dataclass
+
+from asynct.engine.core_client import start_engines
+from asynct.engine.core_proc import apply_delta
+from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.llm_engine import EngineArgs, LLMEngine, check_prompt, tokenize
+from asynct.engine.outputs import CompletionOutput, RequestOutput
+from asynct.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("asynct")
+POLL_S = 1.0     # how long a step waits for a message before checking that the engines live
+
+
+@dataclass
+class _Request:
+    out: RequestOutput          # what the engine has sent so far (apply_delta)
+    params: SamplingParams
+    work: int                   # prompt + expected output tokens
+    engine: int | None = None   # None until the next step assigns it
+
+
+class DataParallelEngine:
+    def __init__(self, args: EngineArgs, make_engine=LLMEngine):
+        self.args, self.size = args, args.data_parallel_size
+        self.clients, infos = start_engines(args, make_engine, self.size)
+        self._finalizer = weakref.finalize(self, _stop_all, self.clients)
+        self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)   # ours: prompts arrive here
+        self.max_model_len = min(info["max_model_len"] for info in infos)
+        self.vocab_size = infos[0]["vocab_size"]
+        # they load at once: each part of start-up took as long as its slowest engine
+        self.startup_seconds = {k: max(info["startup_seconds"][k] for info in infos) for k in infos[0]["startup_seconds"]}
+        self.snapshots = [info["snapshot"] for info in infos]
+        self.dead: list[str | None] = [None] * self.size
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        for i, c in enumerate(self.clients):
+            c.start(lambda msg, i=i: self.inbox.put((i, msg)))
+        self.requests: dict[str, _Request] = {}
+        self.unassigned: list[str] = []
+        self.load = [0] * self.size           # work in flight per engine
+        self.done: list[RequestOutput] = []   # finished by the front end (failures), for the next step
+
+    # ---- LLMEngine's interface --------------------------------------------------------------
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, stream: bool = False):
+        """Validates and queues a request as LLMEngine.add_request does (ValueError naming the
+        problem); it goes to an engine at the next step."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if stream:
+            raise ValueError("data parallel LLM returns finished outputs only (stream=False)")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = tokenize(self.detokenizer, prompt)
+        check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        self.requests[request_id] = _Request(RequestOutput(request_id, text, ids, None, [], False), params,
+                                             self._work(ids, params))
+        self.unassigned.append(request_id)
+
+    def abort_request(self, request_id: str):
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        if req.engine is None:
+            self.unassigned.remove(request_id)
+        else:
+            self.load[req.engine] -= req.work
+            self.clients[req.engine].abort([request_id])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self.done)
+
+    def step(self) -> list[RequestOutput]:
+        """Sends what was added since the last step, then waits for the engines' next messages;
+        returns the requests that finished (failed ones with `error` set)."""
+        if self.unassigned:
+            self._dispatch()
+        while not self.done and self.requests:
+            try:
+                self._on_message(*self.inbox.get(timeout=POLL_S))
+            except queue.Empty:
+                self._check_alive()
+            while not self.inbox.empty():
+                self._on_message(*self.inbox.get_nowait())
+        done, self.done = self.done, []
+        return done
+
+    @property
+    def stats(self) -> dict:
+        return {k: sum(s[k] for s in self.snapshots) for k in ("prompt_tokens", "generation_tokens", "steps")}
+
+    def shutdown(self):
+        self._finalizer()
+
+    # ---- assignment ---------------------------------------------------------------------------
+    def _work(self, ids: list[int], params: SamplingParams) -> int:
+        new = min(params.max_tokens or self.max_model_len, self.max_model_len - len(ids))
+        return len(ids) + params.n * new
+
+    def _dispatch(self):
+        live = [k for k in range(self.size) if self.dead[k] is None]
+        # sorted, so that a shared prefix cut into shares is cut where the prompts part least
+        rids = sorted(self.unassigned, key=lambda rid: self.requests[rid].out.prompt_token_ids)
+        self.unassigned = []
+        if not live:
+            for rid in rids:
+                self._fail(rid, "every engine process has exited; make a new LLM")
+            return
+        reqs = [self.requests[rid] for rid in rids]
+        keys = [prefix_key(r.out.prompt_token_ids, self.args.block_size, i) for i, r in enumerate(reqs)]
+        chosen = assign([r.work for r in reqs], keys, [self.load[k] for k in live])
+        for rid, r, c in zip(rids, reqs, chosen):
+            r.engine = live[c]
+            self.load[r.engine] += r.work
+            self.clients[r.engine].add((rid, r.out.prompt_token_ids, r.params, False))
+
+    # ---- messages ---------------------------------------------------------------------------
+    def _on_message(self, k: int, msg):
+        if msg[0] == "outputs":
+            self.snapshots[k] = msg[2]
+            for delta in msg[1]:
+                req = self.requests.get(delta[0])
+                if req is None:       # aborted meanwhile
+                    continue
+                apply_delta(req.out, delta)
+                if req.out.finished:
+                    self._finish(delta[0])
+        elif msg[0] == "snapshot":
+            self.snapshots[k] = msg[1]
+        elif msg[0] == "errors":
+            for rid, message, _ in msg[1]:
+                if rid in self.requests:
+                    self._fail(rid, message)
+        elif msg[0] == "exit":
+            self._engine_died(k, msg[1])
+
+    def _engine_died(self, k: int, code):
+        if self.dead[k] is not None:
+            return
+        self.dead[k] = f"{self.clients[k].name} exited (code {code}) while running this request"
+        log.error("%s exited (code %s); its requests fail, the other engines go on", self.clients[k].name, code)
+        for rid in [rid for rid, r in self.requests.items() if r.engine == k]:
+            self._fail(rid, self.dead[k])
+
+    def _check_alive(self):
+        """A backstop for an exit whose message is lost: a process gone with requests on it."""
+        for k, c in enumerate(self.clients):
+            if self.dead[k] is None and not c.proc.is_alive() and not c.threads[1].is_alive():
+                self._engine_died(k, c.proc.exitcode)
+
+    def _finish(self, rid: str):
+        req = self.requests.pop(rid)
+        if req.engine is not None:
+            self.load[req.engine] -= req.work
+        self.done.append(req.out)
+
+    def _fail(self, rid: str, message: str):
+        out = self.requests[rid].out
+        out.outputs = [CompletionOutput(0, "", [], None, None, "error", message)]
+        out.finished, out.error = True, message
+        self._finish(rid)
+
+
+def prefix_key(ids: list[int], block_size: int, index: int):
+    """Prompts with the same first full KV block share a key; a prompt of no full block (which
+    the prefix cache cannot serve) gets its own."""
+    return tuple(ids[:block_size]) if len(ids) > block_size else ("alone", index)
+
+
+def assign(works: list[int], keys: list, loads: list[int]) -> list[int]:
+    """An engine (index into `loads`, their work in flight) per request: the requests of one key
+    go to one engine, unless together they are more than an engine's share of all the work (one
+    shared few-shot prefix, say), then in shares of about that size; the largest piece first, each
+    to the least-loaded engine."""
+    share = (sum(loads) + sum(works)) / len(loads)
+    groups: dict = {}
+    for i, key in enumerate(keys):
+        groups.setdefault(key, []).append(i)
+    pieces = []
+    for members in groups.values():
+        piece, work = [], 0
+        for i in members:
+            if piece and work + works[i] > share:
+                pieces.append((work, piece))
+                piece, work = [], 0
+            piece.append(i)
+            work += works[i]
+        pieces.append((work, piece))
+    loads, chosen = list(loads), [0] * len(works)
+    for work, piece in sorted(pieces, key=lambda p: -p[0]):
+        k = min(range(len(loads)), key=lambda j: loads[j])
+        loads[k] += work
+        for i in piece:
+            chosen[i] = k
+    return chosen
+
+
+def _stop_all(clients):
+    for c in clients:
+        c.sendq.put(("stop",))
+    for c in clients:
+        c.stop(timeout=10)

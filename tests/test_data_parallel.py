@@ -1,0 +1,201 @@
+"""Data parallel on the CPU: N=2 engine processes give what one engine gives, in input order; a
+killed engine fails its own requests alone; the server with two engines under a load of streams
+(some leaving early) loses nothing and leaves every engine's blocks free."""
+import asyncio
+import os
+import random
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from asynct import LLM, SamplingParams
+from asynct.engine.core_client import CoreClient, gpus_for
+from asynct.engine.data_parallel import assign, prefix_key
+from asynct.engine.llm_engine import EngineArgs
+from asynct.entrypoints.serve.api_server import make_app
+from asynct.entrypoints.serve.launch import ServerThread
+from test_server_load import MAX_TOKENS, run_load, wait_idle
+
+ENGINE = dict(max_num_seqs=4, num_kv_blocks=256)
+SHARED = "All of these questions share this first block of text. "
+
+
+def mixed_batch():
+    prompts = [SHARED + q for q in ("What is 2+2?", "Name a colour.", "Why?")] + \
+        ["hi", "a somewhat longer prompt that fills more than one block of sixteen", [5, 6, 7, 8, 9]]
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    params = [greedy, SamplingParams(temperature=0.9, n=2, seed=7, max_tokens=10),
+              SamplingParams(temperature=0, max_tokens=20, logprobs=2), greedy,
+              SamplingParams(temperature=1.0, n=3, seed=11, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    return prompts, params
+
+
+def summary(out):
+    return (out.prompt, out.prompt_token_ids, out.error,
+            [(c.index, c.token_ids, c.text, c.finish_reason) for c in out.outputs])
+
+
+@pytest.fixture(scope="module")
+def dp_llm(tiny_ckpt):
+    llm = LLM(tiny_ckpt, data_parallel_size=2, **ENGINE)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+def test_assign_balances_work_and_keeps_prefixes_together():
+    # three prompts on one first block, three alone: the group stays whole, the rest balance it
+    keys = ["p", "p", "p", 1, 2, 3]
+    chosen = assign([10, 10, 10, 10, 10, 10], keys, [0, 0])
+    assert len({chosen[0], chosen[1], chosen[2]}) == 1 and sorted(chosen).count(0) == 3
+    # one prefix shared by every request (a few-shot eval) is split into shares, not left on one
+    chosen = assign([10] * 8, ["p"] * 8, [0, 0])
+    assert sorted(chosen) == [0] * 4 + [1] * 4 and chosen == sorted(chosen)
+    # work already in flight counts
+    assert assign([5], ["q"], [100, 0]) == [1]
+    assert prefix_key([1] * 17, 16, 0) == prefix_key([1] * 16 + [2, 3], 16, 1)
+    assert prefix_key([1] * 16, 16, 0) != prefix_key([1] * 16, 16, 1)   # no full block to share
+
+
+def test_two_engines_equal_one(dp_llm, tiny_ckpt):
+    prompts, params = mixed_batch()
+    one = LLM(tiny_ckpt, **ENGINE).generate(prompts, params, use_tqdm=False)
+    two = dp_llm.generate(prompts, params, use_tqdm=False)
+    assert [summary(o) for o in two] == [summary(o) for o in one]
+    for a, b in zip(one, two):
+        assert [c.cumulative_logprob for c in b.outputs] == pytest.approx([c.cumulative_logprob for c in a.outputs])
+    gen = [s["generation_tokens"] for s in dp_llm.llm_engine.snapshots]
+    assert min(gen) > 0, gen             # both engines worked
+    bad = dp_llm.generate([[10 ** 6], "fine"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert "outside the vocabulary" in bad[0].error and bad[1].error is None
+
+
+def spawn_env_report(args):
+    """Runs in the engine process: its environment comes back as the start-up error."""
+    keys = ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")
+    raise ValueError(" ".join(f"{k}={os.environ.get(k)}" for k in keys))
+
+
+def test_engine_processes_get_their_gpu_and_multicast_off(monkeypatch):
+    before = dict(os.environ)
+    client = CoreClient(EngineArgs(model="unused"), spawn_env_report, index=1, gpu="3")
+    with pytest.raises(ValueError, match="the engine process 1 .GPU 3. could not start: ValueError: CUDA_VISIBLE_DEVICES=3 "
+                                         "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1"):
+        client.wait_ready()
+    assert dict(os.environ) == before        # set for the child alone
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus_for(EngineArgs(model="m"), 2) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6,7")
+    assert gpus_for(EngineArgs(model="m"), 3) == ["4", "6", "7"]
+    with pytest.raises(ValueError, match="needs 4 GPUs; 3 visible"):
+        gpus_for(EngineArgs(model="m"), 4)
+    assert gpus_for(EngineArgs(model="m", device="cpu"), 2) == [None, None]
+
+
+def test_killed_engine_fails_only_its_requests(dp_llm, tiny_ckpt):
+    """SIGKILL one engine process mid-run: its requests come back with an error naming it, the
+    other engine's finish in full, and the next call runs on the engine left (last in this module:
+    it leaves the module's LLM with one engine)."""
+    eng = dp_llm.llm_engine
+    victim = eng.clients[1].proc
+
+    def kill_when_running():
+        while eng.snapshots[1]["generation_tokens"] == before:
+            time.sleep(0.005)
+        os.kill(victim.pid, signal.SIGKILL)
+
+    before = eng.snapshots[1]["generation_tokens"]
+    killer = threading.Thread(target=kill_when_running, daemon=True)
+    killer.start()
+    long = SamplingParams(temperature=0, max_tokens=600, ignore_eos=True)
+    outs = dp_llm.generate([f"request {i}" for i in range(6)], long, use_tqdm=False)
+    killer.join(timeout=5)
+    failed = [o for o in outs if o.error]
+    assert len(failed) == 3, [o.error for o in outs]
+    assert all("engine process 1 exited (code -9)" in o.error for o in failed)
+    assert all(o.outputs[0].finish_reason == "error" for o in failed)
+    assert all(len(o.outputs[0].token_ids) == 600 for o in outs if not o.error)
+    prompts, params = mixed_batch()
+    after = dp_llm.generate(prompts, params, use_tqdm=False)
+    one = LLM(tiny_ckpt, **ENGINE).generate(prompts, params, use_tqdm=False)
+    assert [summary(o) for o in after] == [summary(o) for o in one]
+
+
+def metrics_by_engine(url) -> dict:
+    import httpx
+    text = httpx.get(url + "/metrics").text
+    out = {}
+    for name, labels, value in re.findall(r"^asynct_(\w+)\{([^}]*)\} (\S+)$", text, re.M):
+        engine = re.search(r'engine="(\d+)"', labels)
+        out[(name, engine.group(1) if engine else "total")] = float(value)
+    return out
+
+
+def test_server_two_engines_under_load(tiny_ckpt):
+    """80 concurrent streams over two engines, a fifth hanging up early: every other stream gets
+    exactly its text alone; both engines served; then every engine is idle with its blocks free.
+    Then one engine is killed: only its request fails."""
+    rng = random.Random(1)
+    prompts = ["".join(rng.choice("abcdefghij klmnop,.XYZ0123é") for _ in range(rng.randint(3, 60)))
+               for _ in range(10)]
+    ref = LLM(tiny_ckpt)
+    alone = [ref.generate([p], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)[0]
+             .outputs[0].text for p in prompts]
+    num, leaving = 80, set(rng.sample(range(80), 16))
+    plan = [(i % len(prompts), rng.randint(1, 4) if i in leaving else None) for i in range(num)]
+    app = make_app(tiny_ckpt, served_model_name="tiny", data_parallel_size=2, max_num_seqs=8, num_kv_blocks=200)
+    with ServerThread(app) as url:
+        texts = asyncio.run(run_load(url, prompts, plan))
+        wrong = [i for i, ((p, leave), t) in enumerate(zip(plan, texts)) if leave is None and t != alone[p]]
+        assert not wrong, [(texts[i], alone[plan[i][0]]) for i in wrong[:3]]
+        total = wait_idle(url)
+        m = metrics_by_engine(url)
+        one_engine_killed(url, app.state.ctx.engine.engines[1].client.proc.pid)
+    for k in ("0", "1", "total"):
+        assert m[("num_requests_running", k)] == m[("num_requests_waiting", k)] == 0
+        assert m[("num_requests_in_flight", k)] == 0
+        assert m[("kv_blocks_free", k)] == m[("kv_blocks_total", k)] > 0
+    assert m[("kv_blocks_total", "total")] == 400
+    assert min(m[("generation_tokens_total", k)] for k in "01") > 0
+    assert m[("requests_aborted_total", "total")] == total["requests_aborted_total"] == len(leaving)
+    assert sum(m[("generation_tokens_total", k)] for k in "01") == m[("generation_tokens_total", "total")]
+
+
+def one_engine_killed(url, pid):
+    """Two streams, one on each engine (both idle: the first goes to engine 0, the next to 1);
+    engine 1 killed: its stream ends with an error naming it, the other finishes, /health says
+    503, and a new request is served by engine 0."""
+    import httpx
+    body = {"model": "tiny", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def stream(client, prompt, started):
+        lines = []
+        async with client.stream("POST", url + "/v1/completions", json={**body, "prompt": prompt}) as r:
+            async for line in r.aiter_lines():
+                lines += [line] if line else []
+                started.set()
+        return lines
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = [asyncio.Event(), asyncio.Event()]
+            first = asyncio.create_task(stream(client, "on engine 0", started[0]))
+            await started[0].wait()
+            second = asyncio.create_task(stream(client, "on engine 1", started[1]))
+            await started[1].wait()
+            os.kill(pid, signal.SIGKILL)
+            return await first, await second
+
+    survived, killed = asyncio.run(go())
+    assert killed[-1] == "data: [DONE]" and "engine process 1 exited" in killed[-2]
+    assert survived[-1] == "data: [DONE]" and '"finish_reason":"length"' in survived[-2].replace(" ", "")
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503 and "engine process 1 exited" in health.text
+    r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "prompt": "still here", "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
