@@ -9,7 +9,8 @@ import queue
 import threading
 
 from asynct.engine.core_proc import run_engine_core
-from asynct.engine.llm_engine import EngineArgs, LLMEngine
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.llm_engine import LLMEngine
 
 # every process the engine starts: the GPU machines it runs on need NVLink multicast off
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}

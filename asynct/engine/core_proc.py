@@ -10,7 +10,8 @@ Outputs travel as deltas (new tokens, new text), so a step's message does not gr
 length of what was generated; `apply_delta` rebuilds vLLM's cumulative RequestOutput."""
 import logging
 
-from asynct.engine.llm_engine import EngineArgs, LLMEngine
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 
 log = logging.getLogger("asynct.engine")

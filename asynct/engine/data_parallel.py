@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from asynct.engine.core_client import start_engines
 from asynct.engine.core_proc import apply_delta
 from asynct.engine.detokenizer import Detokenizer
-from asynct.engine.llm_engine import EngineArgs, LLMEngine, check_prompt, tokenize
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.inputs import check_prompt, tokenize
+from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
 

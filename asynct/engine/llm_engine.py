@@ -3,12 +3,13 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.engine_args import EngineArgs, resolve_dtype
+from asynct.engine.inputs import check_prompt, tokenize
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
@@ -17,42 +18,6 @@ from asynct.engine.sequence import Sequence
 from asynct.model.checkpoint import prepare_config_for_load
 
 log = logging.getLogger("asynct")
-
-
-@dataclass
-class EngineArgs:
-    model: str
-    dtype: str | torch.dtype = "auto"
-    device: str | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    enforce_eager: bool = False
-    kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
-    num_kv_blocks: int | None = None      # overrides both sizings (tests)
-    admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16
-    tokenizer: str | None = None
-    async_scheduling: bool = True         # launch step N+1 before finishing step N
-    kv_cache_dtype: str = "auto"          # "fp8" (e4m3, static scales from the weights: docs/fp8_kv.md)
-    data_parallel_size: int = 1           # engine processes, one per GPU (engine/data_parallel.py); 1: this one
-    # vLLM's: seed: the random state sampling starts from (unseeded requests draw from it; a
-    # request's own seed wins); tensor_parallel_size: 1 only; trust_remote_code: accepted and
-    # ignored (an asynct checkpoint runs no code of its own)
-    seed: int | None = None
-    tensor_parallel_size: int = 1
-    trust_remote_code: bool = False
-
-    def __post_init__(self):
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: an asynct engine runs on one "
-                             "GPU; for tensor parallelism serve the checkpoint with vLLM and asynct's plugin "
-                             "(docs/vllm.md)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
 
 
 @dataclass
@@ -354,45 +319,3 @@ class LLMEngine:
             return seq.text
         return self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens) \
             if seq.is_finished else ""
-
-
-def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text or token ids; ValueError if neither."""
-    if isinstance(prompt, str):
-        if detokenizer is None:
-            raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
-        return prompt, detokenizer.encode(prompt)
-    if not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
-    ids = list(prompt)
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-        raise ValueError("prompt token ids must be integers")
-    return None, ids
-
-
-def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
-    """Raises ValueError naming what is wrong with a tokenized prompt or with sampling values
-    that do not fit this model (also run by the server's front end, which holds no engine)."""
-    params.check_model(vocab_size)
-    if not ids:
-        raise ValueError("the prompt is empty")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        bad = next(t for t in ids if not 0 <= t < vocab_size)
-        raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
-                         f"{max_model_len - 1} prompt tokens (max_model_len={max_model_len})")
-    if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
-        raise ValueError("prompt_logprobs exceeds the vocabulary size")
-
-
-def resolve_dtype(dtype, config, device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "auto"):
-        # bf16 matmuls are slow on CPUs; there the engine computes in fp32 unless asked
-        return config.weights_dtype if device.type == "cuda" else torch.float32
-    if dtype in ("half", "float16", "bfloat16", "float32", "float", "bf16", "fp16", "fp32"):
-        alias = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-        return getattr(torch, alias.get(dtype, dtype))
-    raise ValueError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")

@@ -5,7 +5,8 @@ from dataclasses import fields
 
 from tqdm.auto import tqdm
 
-from asynct.engine.llm_engine import EngineArgs, LLMEngine
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
 

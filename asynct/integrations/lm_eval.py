@@ -182,7 +182,7 @@ def _engine_args(kw: dict) -> dict:
     the engine's field types, and drop lm-eval's own knobs that mean nothing here."""
     from dataclasses import fields
 
-    from asynct.engine.llm_engine import EngineArgs
+    from asynct.engine.engine_args import EngineArgs
     types = {f.name: f.default for f in fields(EngineArgs)}
     out = {}
     for k, v in kw.items():

@@ -189,7 +189,8 @@ def make_app(model: str, served_model_name: str | None = None, api_key: str | No
     Jinja template or a file holding one, in place of the tokenizer's."""
     import time
 
-    from asynct.engine.llm_engine import EngineArgs, LLMEngine
+    from asynct.engine.engine_args import EngineArgs
+    from asynct.engine.llm_engine import LLMEngine
     from asynct.entrypoints.chat_utils import load_chat_template
     from asynct.engine.detokenizer import Detokenizer
     template, args = load_chat_template(chat_template), EngineArgs(model=str(model), **engine_kwargs)

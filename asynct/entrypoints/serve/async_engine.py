@@ -10,7 +10,9 @@ from collections import deque
 
 from asynct.engine.core_client import CoreClient, start_engines
 from asynct.engine.core_proc import apply_delta
-from asynct.engine.llm_engine import EngineArgs, LLMEngine, check_prompt
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.inputs import check_prompt
+from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import RequestOutput
 from asynct.engine.sampling_params import SamplingParams
 

@@ -1,0 +1,53 @@
+"""`EngineArgs`: every option an engine is built from (`LLM(...)` keyword arguments and the
+CLI's engine flags map onto it), and the compute dtype they resolve to."""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    dtype: str | torch.dtype = "auto"
+    device: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+    kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
+    num_kv_blocks: int | None = None      # overrides both sizings (tests)
+    admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16
+    tokenizer: str | None = None
+    async_scheduling: bool = True         # launch step N+1 before finishing step N
+    kv_cache_dtype: str = "auto"          # "fp8" (e4m3, static scales from the weights: docs/fp8_kv.md)
+    data_parallel_size: int = 1           # engine processes, one per GPU (engine/data_parallel.py); 1: this one
+    # vLLM's: seed: the random state sampling starts from (unseeded requests draw from it; a
+    # request's own seed wins); tensor_parallel_size: 1 only; trust_remote_code: accepted and
+    # ignored (an asynct checkpoint runs no code of its own)
+    seed: int | None = None
+    tensor_parallel_size: int = 1
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: an asynct engine runs on one "
+                             "GPU; for tensor parallelism serve the checkpoint with vLLM and asynct's plugin "
+                             "(docs/vllm.md)")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+
+
+def resolve_dtype(dtype, config, device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        # bf16 matmuls are slow on CPUs; there the engine computes in fp32 unless asked
+        return config.weights_dtype if device.type == "cuda" else torch.float32
+    if dtype in ("half", "float16", "bfloat16", "float32", "float", "bf16", "fp16", "fp32"):
+        alias = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+        return getattr(torch, alias.get(dtype, dtype))
+    raise ValueError(f"unknown dtype {dtype!r}; use auto, bfloat16, float16 or float32")

@@ -1,0 +1,35 @@
+"""What a request brings, checked against the model before it is queued: the prompt as token
+ids, its length, and sampling values that must fit the vocabulary (also run by the server's
+front end and by data parallel's dispatcher, which hold no engine)."""
+from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.sampling_params import SamplingParams
+
+
+def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt given as text or token ids; ValueError if neither."""
+    if isinstance(prompt, str):
+        if detokenizer is None:
+            raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")
+        return prompt, detokenizer.encode(prompt)
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is a string or a list of token ids, got {type(prompt).__name__}")
+    ids = list(prompt)
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt token ids must be integers")
+    return None, ids
+
+
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
+    """Raises ValueError naming what is wrong with a tokenized prompt or with sampling values
+    that do not fit this model (also run by the server's front end, which holds no engine)."""
+    params.check_model(vocab_size)
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
+                         f"{max_model_len - 1} prompt tokens (max_model_len={max_model_len})")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
+        raise ValueError("prompt_logprobs exceeds the vocabulary size")
