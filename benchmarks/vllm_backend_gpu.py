@@ -43,6 +43,7 @@ class CommonAttentionMetadata:
     max_seq_len: int
     block_table_tensor: torch.Tensor   # [B, max_blocks] int32, device
     slot_mapping: torch.Tensor         # [T] int64, device
+    seq_lens_cpu_upper_bound: torch.Tensor | None = None   # [B] int32, host
 
 
 @dataclass
@@ -101,7 +102,8 @@ def make_step(q_lens, ctx_lens, s: Shape, dtype, device, layout, gen):
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         num_reqs=len(q_lens), num_actual_tokens=t, max_query_len=max(q_lens),
         max_seq_len=max(seq_lens), block_table_tensor=table.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=torch.tensor(seq_lens, dtype=torch.int32))
     engine_step = StepInputs(query_lens=list(q_lens), seq_lens=seq_lens, block_tables=tables,
                              slot_mapping=slots, num_decodes=sum(q == 1 for q in q_lens))
 

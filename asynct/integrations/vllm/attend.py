@@ -87,6 +87,7 @@ class AsyncTAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     decode_max_seq_len: int        # host bound that sizes the decode grid (fixed under graphs)
+    prefill_max_seq_len: int       # host bound of the prefill rows' keys (sizes its key splits)
     query_start_loc: torch.Tensor  # [B+1] int32
     seq_lens: torch.Tensor         # [B] int32
     block_table: torch.Tensor      # [B, max_blocks] int32
@@ -110,12 +111,24 @@ def build_metadata(cm, path: str, block_size: int, num_heads: int,
     groups = None
     if path == "torch":
         groups = paged_torch.plan(qsl_cpu[:b + 1], seq_lens, block_table, block_size, num_heads)
+    decode_bound, prefill_bound = _subset_bounds(cm, nd, b)
     return AsyncTAttentionMetadata(
         num_actual_tokens=n, num_reqs=b, num_decodes=nd, max_query_len=cm.max_query_len,
-        max_seq_len=cm.max_seq_len,
-        decode_max_seq_len=graph_max_seq_len if nd == b and graph_max_seq_len else cm.max_seq_len,
+        max_seq_len=cm.max_seq_len, prefill_max_seq_len=prefill_bound,
+        decode_max_seq_len=graph_max_seq_len if nd == b and graph_max_seq_len else decode_bound,
         query_start_loc=cm.query_start_loc[:b + 1], seq_lens=seq_lens, block_table=block_table,
         slot_mapping=cm.slot_mapping[:n], path=path, groups=groups)
+
+
+def _subset_bounds(cm, nd: int, b: int) -> tuple[int, int]:
+    """Host bounds of the keys of the decode rows and of the prefill rows. The batch's longest
+    sequence bounds both, but a long decode would then make the prefill plan split keys it need
+    not (and the reverse): vLLM's per-row host upper bound, where it gives one, separates them."""
+    upper = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    if upper is None:
+        return cm.max_seq_len, cm.max_seq_len
+    rows = upper[:b].tolist()
+    return max(rows[:nd], default=0) or cm.max_seq_len, max(rows[nd:], default=0) or cm.max_seq_len
 
 
 @dataclass
@@ -148,5 +161,5 @@ def forward(query, key, value, kv_cache, m: AsyncTAttentionMetadata, p: AsyncIPa
     if nd < m.num_reqs:
         # query_start_loc[nd:] holds absolute rows of q: no rebased copy per step.
         kern.prefill(q, paged, m.block_table[nd:], m.query_start_loc[nd:], m.seq_lens[nd:],
-                     *args, out, max_query_len=m.max_query_len, max_seq_len=m.max_seq_len)
+                     *args, out, max_query_len=m.max_query_len, max_seq_len=m.prefill_max_seq_len)
     return output
