@@ -260,11 +260,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     if splits is None:
         splits = num_splits(b, hkv, hint, sms)
     g = hq // hkv
-    if splits == 1:
-        dst, strides = out, (out.stride(0), out.stride(1), 0)
-    else:
-        dst = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-        strides = (hq * splits * d, splits * d, d)
+    dst, strides = split_output(out, splits)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
     sigma = sigma.float().contiguous()
@@ -283,8 +279,23 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
         *k_cache.stride()[:3], g, s_pre, ks, vs, M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0,
         FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
-        _sum_splits_kernel[(b, hq)](dst, out, out.stride(0), out.stride(1), splits, D=d, num_warps=4)
+    return sum_splits(dst, out, splits)
+
+
+def split_output(out, splits):
+    """Where a kernel split `splits` ways over keys writes, and its (row, head, split) strides:
+    `out` itself for one split, else fp32 partials [rows, heads, splits, D] that `sum_splits` adds."""
+    if splits == 1:
+        return out, (out.stride(0), out.stride(1), 0)
+    rows, hq, d = out.shape
+    return (torch.empty(rows, hq, splits, d, dtype=torch.float32, device=out.device),
+            (hq * splits * d, splits * d, d))
+
+
+def sum_splits(dst, out, splits):
+    if splits > 1:   # AsyncI has no normalisation: the partials of disjoint key ranges add
+        _sum_splits_kernel[out.shape[:2]](dst, out, out.stride(0), out.stride(1), splits, D=out.shape[2],
+                                          num_warps=4)
     return out
 
 

@@ -19,8 +19,8 @@ from collections import namedtuple
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import (_sm_count, _sum_splits_kernel, apply_v_scale, fold_k_scale,
-                                      load_kv_rows, scale_args)
+from asynct.ops.asynci_decode import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
+                                      scale_args, split_output, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -215,11 +215,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms)
     splits = splits or (plan_splits if block_m is None else 1)
     block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
-    if splits == 1:
-        dst, strides = out, (out.stride(0), out.stride(1), 0)
-    else:
-        dst = torch.empty(q.shape[0], hq, splits, d, dtype=torch.float32, device=q.device)
-        strides = (hq * splits * d, splits * d, d)
+    dst, strides = split_output(out, splits)
     grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv * splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     sigma = sigma.float().contiguous()
@@ -231,10 +227,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages)
-    if splits > 1:
-        _sum_splits_kernel[(q.shape[0], hq)](dst, out, out.stride(0), out.stride(1), splits, D=d,
-                                              num_warps=4)
-    return out
+    return sum_splits(dst, out, splits)
 
 
 def prefill_variants():
