@@ -83,7 +83,7 @@ class LLMEngine:
                                    self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0, "decode_steps": 0}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.in_flight: LaunchedStep | None = None   # launched, not finished (async scheduling)
         self._last_step_end = None
         self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
@@ -254,8 +254,6 @@ class LLMEngine:
     def _count(self, batch):
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += batch.total_tokens - batch.num_decodes
-        if batch.num_decodes == len(batch.seqs):
-            self.stats["decode_steps"] += 1
 
     def _record(self, launched: LaunchedStep | None, t0: float):
         """Benchmarks' per-step log: the wall time between step ends is a step's real cost."""

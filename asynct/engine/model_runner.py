@@ -164,17 +164,15 @@ class ModelRunner:
             hidden = self.graphs.run(input_ids, positions, metadata)
         else:
             hidden = self._forward(input_ids, positions, metadata)
-        launched = self._sample(batch, hidden, metadata.query_start_loc_cpu)
-        launched.kind = "graph" if graphed else _kind(batch)
+        samplers, prompt_rows, host = self._sample(batch, hidden, metadata.query_start_loc_cpu)
         if events:
             events[1].record()
-            launched.events = events
+        done = None
         if self.device.type == "cuda":
-            launched.done = torch.cuda.Event()
-            launched.done.record()
-        launched.kv_tokens = sum(step.seq_lens)
-        launched.host_s = time.perf_counter() - t0
-        return launched
+            done = torch.cuda.Event()
+            done.record()
+        return LaunchedStep(batch, samplers, prompt_rows, host, done, "graph" if graphed else _kind(batch),
+                            events, time.perf_counter() - t0, sum(step.seq_lens))
 
     def _events(self):
         if not (self.timed and self.device.type == "cuda"):
@@ -183,7 +181,9 @@ class ModelRunner:
         start.record()
         return start, end
 
-    def _sample(self, batch, hidden, qsl) -> LaunchedStep:
+    def _sample(self, batch, hidden, qsl):
+        """Logits of the rows that sample or score prompt tokens; samples and logprobs queued to
+        the host. Returns (sampling batch rows, prompt-logprob rows, host copies)."""
         samplers = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                     if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
         prompt_rows = self._prompt_logprob_rows(batch, qsl)
@@ -202,7 +202,7 @@ class ModelRunner:
             host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)
         if prompt_rows:
             host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, logits[len(samplers):])
-        return LaunchedStep(batch, samplers, prompt_rows, host, None, "")
+        return samplers, prompt_rows, host
 
     def _logprob_tensors(self, logits, sampled, seqs):
         want = [s.params.logprobs for s in seqs]
