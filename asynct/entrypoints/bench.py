@@ -2,6 +2,7 @@
 
 Every run measures the device's copy bandwidth first, so the roofline ratio is from one run."""
 import argparse
+import contextlib
 import json
 import random
 import tempfile
@@ -146,20 +147,10 @@ def _largest_batch(model, reqs, device) -> int:
     return 1
 
 
-class _NoCounter:
-    compiles = None
-
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _compiles(device):
     """Counts Triton compiles on CUDA (the interpreter compiles nothing)."""
     from asynct.ops._triton import CompileCounter, triton
-    return CompileCounter() if device.type == "cuda" and triton is not None else _NoCounter()
+    return CompileCounter() if device.type == "cuda" and triton is not None else contextlib.nullcontext()
 
 
 def _compiled(counter) -> str:
