@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests runtime fp8 vllm parity sweep bench engine profile ablation cascade serve eval dp
+#   stages: smoke gputests runtime fp8 vllm parity sweep bench engine profile profile-gsm8k ablation cascade
+#           serve eval dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -27,8 +28,8 @@ for s in $stages; do
     parity) timeout 300 python3 benchmarks/bf16_parity.py --seeds 1 2>&1 | tee $OUT/parity.log ;;
     sweep) timeout 170 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log ;;
     runtime) # a new user's first run (empty Triton cache, cold process), then the same workloads warm;
-             # then a second process (warm cache) and the synchronous loop for the same-run ratio
-             for flags in "" "--no-async-scheduling"; do
+             # then a second process (warm cache) without piecewise graphs for the same-run ratio
+             for flags in "" "--cudagraph-mode full_decode_only"; do
                timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown $flags \
                  --workloads gsm8k,gsm8k,throughput,latency --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" \
                  | tee -a $OUT/runtime.log
@@ -38,6 +39,9 @@ for s in $stages; do
     engine) timeout 200 python3 -m asynct.entrypoints.cli bench --model $M --json-out $OUT/engine.json 2>&1 \
              | grep -v "^{" | tee $OUT/engine.log ;;
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
+    profile-gsm8k) # the gsm8k-shaped decode step: ~220 sequences of ~930 keys, 700 of them shared
+             timeout 150 python3 benchmarks/profile_decode.py --model $M --batch 224 --context 928 \
+               --shared-prefix 700 --steps 30 2>&1 | tee $OUT/profile_gsm8k.log ;;
     ablation) timeout 240 python3 benchmarks/seed_ablation.py --model $M 2>&1 | tee $OUT/ablation.log ;;
     cascade) timeout 240 python3 benchmarks/cascade_ablation.py --model $M 2>&1 | grep -v "Loading weights" | tee $OUT/cascade.log ;;
     serve) [ -f benchmarks/serve_load.py ] && timeout 150 python3 benchmarks/serve_load.py --model $M 2>&1 | tee $OUT/serve.log ;;

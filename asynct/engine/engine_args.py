@@ -5,6 +5,9 @@ from dataclasses import dataclass
 import torch
 
 
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
+
+
 @dataclass
 class EngineArgs:
     model: str
@@ -17,7 +20,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
-    enforce_eager: bool = False
+    enforce_eager: bool = False           # no CUDA graphs at all (cudagraph_mode "none")
+    # vLLM's modes: full graphs for decode-only steps, piecewise graphs (attention eager) for
+    # steps with prefill tokens; "full_decode_only" leaves those eager
+    cudagraph_mode: str = "full_and_piecewise"
     kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
     num_kv_blocks: int | None = None      # overrides both sizings (tests)
     admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16
@@ -33,6 +39,11 @@ class EngineArgs:
     trust_remote_code: bool = False
 
     def __post_init__(self):
+        self.cudagraph_mode = str(self.cudagraph_mode).lower()
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}; choose from {CUDAGRAPH_MODES}")
+        if self.enforce_eager:
+            self.cudagraph_mode = "none"
         if self.tensor_parallel_size != 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: an asynct engine runs on one "
                              "GPU; for tensor parallelism serve the checkpoint with vLLM and asynct's plugin "

@@ -22,7 +22,7 @@ log = logging.getLogger("asynct")
 
 @dataclass
 class StepRecord:
-    kind: str            # "graph", "decode", "mixed" or "prefill"
+    kind: str            # "graph", "piecewise mixed", "piecewise prefill", "decode", "mixed", "prefill"
     num_seqs: int
     num_tokens: int
     kv_tokens: int       # keys the step's attention reads (about)
@@ -64,7 +64,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                                  self.max_model_len, args.enforce_eager, args.kv_cache_dtype)
+                                  self.max_model_len, args.cudagraph_mode, args.kv_cache_dtype)
         t1 = time.perf_counter()
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:
@@ -96,7 +96,7 @@ class LLMEngine:
                 "block_size": self.args.block_size,
                 "kv_cache_gib": self.block_manager.num_blocks * r.block_bytes / 2**30,
                 "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."), "attention_backend": r.backend.name,
-                "cuda_graphs": r.use_graphs, "startup_seconds": sum(self.startup_seconds.values())}
+                "cuda_graphs": r.cudagraph_mode, "startup_seconds": sum(self.startup_seconds.values())}
 
     def _num_kv_blocks(self) -> int:
         a = self.args

@@ -13,6 +13,7 @@ from asynct.attention import StepInputs, resolve_backend
 from asynct.attention.base import host_to_device
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
+from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampler import sample
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import LaunchedStep, StepOutput, entries, logprob_tensors, to_host
@@ -23,7 +24,8 @@ from asynct.model.loader import load_weights
 
 class ModelRunner:
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
-                 max_num_seqs, max_num_batched_tokens, max_model_len, enforce_eager, kv_cache_dtype="auto"):
+                 max_num_seqs, max_num_batched_tokens, max_model_len, cudagraph_mode="none",
+                 kv_cache_dtype="auto"):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         if is_fp8(self.kv_dtype) and self.device.type == "cuda" and dtype == torch.float32:
@@ -46,9 +48,9 @@ class ModelRunner:
             set_kv_scales(self.model)
         self.model.eval()
         self.kv_cache = None
-        self.graphs = None
-        self.use_graphs = (self.device.type == "cuda" and not enforce_eager
-                           and self.backend.supports_cuda_graphs)
+        self.graphs = self.piecewise = None
+        graphs_possible = self.device.type == "cuda" and self.backend.supports_cuda_graphs
+        self.cudagraph_mode = cudagraph_mode if graphs_possible else "none"
         if self.device.type == "cuda":
             self._compile_ahead()
         self.max_num_seqs = max_num_seqs
@@ -70,8 +72,10 @@ class ModelRunner:
             layer.attn.kv_cache = self.kv_cache[i]
         if capture and self.device.type == "cuda":
             self._warmup()
-        if self.use_graphs and capture:
+        if capture and self.cudagraph_mode != "none":
             self.graphs = CudaGraphRunner(self, self.max_num_seqs)
+        if capture and self.cudagraph_mode == "full_and_piecewise":
+            self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
 
     def _compile_ahead(self):
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
@@ -159,11 +163,7 @@ class ModelRunner:
         events = self._events()
         input_ids = self._input_ids(ids, pending)
         positions = host_to_device(pos, torch.long, self.device)
-        graphed = self.graphs is not None and self.graphs.can_run(metadata)
-        if graphed:
-            hidden = self.graphs.run(input_ids, positions, metadata)
-        else:
-            hidden = self._forward(input_ids, positions, metadata)
+        hidden, kind = self._run_model(input_ids, positions, metadata, batch)
         samplers, prompt_rows, host = self._sample(batch, hidden, metadata.query_start_loc_cpu)
         if events:
             events[1].record()
@@ -171,8 +171,16 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return LaunchedStep(batch, samplers, prompt_rows, host, done, "graph" if graphed else _kind(batch),
+        return LaunchedStep(batch, samplers, prompt_rows, host, done, kind,
                             events, time.perf_counter() - t0, sum(step.seq_lens))
+
+    def _run_model(self, input_ids, positions, metadata, batch):
+        """(final hidden states, step kind): a full decode graph, piecewise graphs, or eager."""
+        if self.graphs is not None and self.graphs.can_run(metadata):
+            return self.graphs.run(input_ids, positions, metadata), "graph"
+        if self.piecewise is not None and self.piecewise.can_run(metadata):
+            return self.piecewise.run(input_ids, positions, metadata), "piecewise " + _kind(batch)
+        return self._forward(input_ids, positions, metadata), _kind(batch)
 
     def _events(self):
         if not (self.timed and self.device.type == "cuda"):

@@ -25,7 +25,7 @@ class LaunchedStep:
     prompt_rows: list            # (batch row, hidden row, target token) of prompt logprobs
     host: dict                   # pinned host copies, filled by non-blocking copies
     done: torch.cuda.Event | None
-    kind: str                    # "graph" (decode replay), "decode", "mixed" or "prefill"
+    kind: str                    # breakdown.KINDS: "graph" (decode replay), "piecewise mixed", ...
     events: tuple = ()           # (start, end) around the device work, when timed
     host_s: float = 0.0          # host time spent launching it
     kv_tokens: int = 0           # keys its attention reads

@@ -3,7 +3,8 @@ between step ends, device time of the forward and sampling, and host time to lau
 With async scheduling a step's wall time near its device time means the host keeps up."""
 from collections import defaultdict
 
-KINDS = ("graph", "decode", "mixed", "prefill")   # graph: decode replayed from a CUDA graph
+# graph: a decode step replayed from a full CUDA graph; piecewise: graphs between eager attentions
+KINDS = ("graph", "piecewise mixed", "piecewise prefill", "decode", "mixed", "prefill")
 
 
 def breakdown(records) -> list[dict]:
@@ -18,6 +19,7 @@ def _row(kind, rs) -> dict:
     wall = sum(r.wall_s for r in rs)
     gpu = [r.gpu_s for r in rs if r.gpu_s is not None]
     row = {"kind": kind, "steps": n, "wall_s": wall, "wall_ms": 1e3 * wall / n,
+           "max_wall_ms": 1e3 * max(r.wall_s for r in rs),
            "launch_ms": 1e3 * sum(r.launch_s for r in rs) / n,
            "seqs": sum(r.num_seqs for r in rs) / n, "tokens": sum(r.num_tokens for r in rs) / n}
     if gpu:
@@ -27,7 +29,8 @@ def _row(kind, rs) -> dict:
 
 
 def print_breakdown(workload: str, rows: list[dict], compiles=None):
-    cols = ["kind", "steps", "seqs", "tokens", "wall_s", "wall_ms", "gpu_ms", "launch_ms", "wall_over_gpu"]
+    cols = ["kind", "steps", "seqs", "tokens", "wall_s", "wall_ms", "max_wall_ms", "gpu_ms", "launch_ms",
+            "wall_over_gpu"]
     extra = "" if compiles is None else f", {len(compiles.compiles)} Triton compiles ({compiles.seconds:.1f} s)"
     print(f"breakdown of {workload}{extra}")
     print(" | ".join(cols))

@@ -11,6 +11,7 @@ from asynct.presets import PRESETS
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the attention backends the engine registers (asynct/attention), named here to keep --help light
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")   # EngineArgs checks the same
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -32,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                    help="auto: triton on a GPU, torch elsewhere")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--cudagraph-mode", default="full_and_piecewise", choices=CUDAGRAPH_MODES,
+                   help="full graphs for decode steps and piecewise graphs (attention eager) for "
+                        "steps with prefill tokens, or decode graphs only")
     g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="do not reuse the KV cache of shared prompt prefixes")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
@@ -44,7 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser):
 
 def engine_kwargs(a) -> dict:
     keys = ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-            "gpu_memory_utilization", "attention_backend", "enforce_eager", "enable_prefix_caching",
+            "gpu_memory_utilization", "attention_backend", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
             "async_scheduling", "kv_cache_dtype", "data_parallel_size")
     return {k: getattr(a, k) for k in keys}
 

@@ -58,6 +58,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, n, residual, next_norm, cos_sin):
         """n = this layer's input norm of `residual`; returns (next residual, its next norm)."""
+        q, k, v = self.attention_inputs(positions, n, cos_sin)
+        return self.after_attention(self.attn(q, k, v), residual, next_norm)
+
+    def attention_inputs(self, positions, n, cos_sin):
+        """q, k, v of the tokens, normed and rotated: everything of the layer before attention."""
         t, d = n.shape[0], self.head_dim
         qkv = self.qkv_proj(n)
         nq, nk = self.num_heads * d, self.num_kv_heads * d
@@ -66,7 +71,11 @@ class DecoderLayer(nn.Module):
         v = qkv[:, nq + nk:].view(t, self.num_kv_heads, d)
         qn, kn = self.q_norm, self.k_norm
         q, k = ops.qk_norm_rope(q, k, positions, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin)
-        o = self.o_proj(self.attn(q, k, v).view(t, -1))
+        return q, k, v
+
+    def after_attention(self, attn_out, residual, next_norm):
+        """Everything of the layer after attention, through the next layer's input norm."""
+        o = self.o_proj(attn_out.view(attn_out.shape[0], -1))
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         h, m = ops.dyht_add(o, residual, pre.alpha, pre.weight, post.alpha, post.weight)
         mlp = self.down_proj(ops.reglu(self.gate_up_proj(m)))
@@ -90,13 +99,20 @@ class AsyncTEngineModel(nn.Module):
         c = self.config
         return ops.rope_cos_sin_cache(c.head_dim, c.max_position_embeddings, c.rope_theta, device)
 
+    @property
+    def next_norms(self) -> list:
+        """The norm that follows each layer: the next layer's input norm, then the final one."""
+        return list(self.input_norms[1:]) + [self.norm]
+
+    def embed(self, input_ids):
+        """(residual stream, its first layer's input norm) of the tokens."""
+        x = self.embed_tokens(input_ids)
+        return x, ops.dyht(x, self.input_norms[0].alpha, self.input_norms[0].weight)
+
     def forward(self, input_ids, positions):
         """Returns the final-normed hidden state of every token."""
-        x = self.embed_tokens(input_ids)
-        n = ops.dyht(x, self.input_norms[0].alpha, self.input_norms[0].weight)
-        residual = x
-        norms = list(self.input_norms[1:]) + [self.norm]
-        for layer, next_norm in zip(self.layers, norms):
+        residual, n = self.embed(input_ids)
+        for layer, next_norm in zip(self.layers, self.next_norms):
             residual, n = layer(positions, n, residual, next_norm, self.cos_sin_cache)
         return n
 

@@ -20,7 +20,10 @@ from asynct.ops._triton import jit as _jit, tl, triton
 from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8
 from asynct.ops.paged_ref import asynci_decode_ref
 
-BLOCK_N = 64
+# Keys a tile (with 2 warps a decode program): against 64 keys and 4 warps, as fast or faster on
+# every batch benchmarks/decode_sweep.py tries, most where programs walk few tiles (cascade
+# decodes' private keys); 32 keys with 4 warps is faster still there but 1.3x slower on long ones
+BLOCK_N = 32
 
 
 @_jit
@@ -234,10 +237,12 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
 
 
 def num_prefix_splits(batch, num_kv_heads, group, prefix_len, sms=132):
-    """Key splits of the shared prefix: about two waves of programs, a tile each at least."""
+    """Key splits of the shared prefix: about one wave of programs, a tile each at least, 8 at
+    most: every decode program adds up all the splits' partials, so more splits slow decode
+    (224 gsm8k-shaped sequences: 5 splits 1.07x faster than 10, benchmarks/decode_sweep.py)."""
     tiles = triton.cdiv(batch * group, PREFIX_BLOCK_M)
-    want = triton.cdiv(2 * sms, tiles * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), 32))
+    want = triton.cdiv(sms, tiles * num_kv_heads)
+    return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), 8))
 
 
 PREFIX_BLOCK_M = 64
@@ -245,7 +250,7 @@ PREFIX_WARPS = 4
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2,
+                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=2, num_stages=2,
                          k_scale=None, v_scale=None):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
@@ -262,6 +267,8 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     g = hq // hkv
     dst, strides = split_output(out, splits)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
+    block_n = max(block_n, triton.next_power_of_2(int(pool_size)))
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)

@@ -120,7 +120,7 @@ def summary_line(model_name: str, model_dir: str, s: dict, seconds: float) -> st
     return (f"model {name}: {s['dtype']} on {s['device']}, max_model_len {s['max_model_len']}, "
             f"KV cache {s['num_kv_blocks']} blocks x {s['block_size']} = {s['num_kv_blocks'] * s['block_size']} "
             f"tokens ({s['kv_cache_gib']:.2f} GiB, {s['kv_cache_dtype']}), attention {s['attention_backend']}, "
-            f"CUDA graphs {'on' if s['cuda_graphs'] else 'off'}, engine started in {seconds:.1f} s")
+            f"CUDA graphs {s['cuda_graphs'].replace('none', 'off')}, engine started in {seconds:.1f} s")
 
 
 class ThroughputLogger:

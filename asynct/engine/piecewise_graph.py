@@ -1,0 +1,93 @@
+"""Piecewise CUDA graphs for steps with prefill tokens (mixed and prefill steps).
+
+Attention cannot be captured for these steps: its grids follow the batch's chunk lengths. Every
+other kernel can, for a fixed token count. So, per bucket of a token ladder, the forward is
+captured as one graph per gap between attentions (embedding + layer 0 up to its attention; the
+end of layer i - 1 + the start of layer i; the end of the last layer), and a step replays the
+smallest bucket that holds it, running each layer's attention eagerly between two replays:
+35 layers of ~12 launches become 36 replays and 35 attention calls.
+
+Graphs communicate through static buffers (q, k, v, the attention output, the residual stream,
+the final hidden state); everything else a piece allocates comes from one memory pool that all
+pieces share, captured and replayed in the same order. Padding rows (bucket past the step's
+tokens) compute garbage that nothing reads: attention and the KV write see only real tokens."""
+import functools
+
+import torch
+
+
+def token_ladder(max_num_tokens: int) -> list[int]:
+    """Buckets: powers of two up to 512 (padding stays small for short steps), then every 512."""
+    sizes = [t for t in (16, 32, 64, 128, 256) if t < max_num_tokens]
+    sizes += list(range(512, max_num_tokens, 512))
+    return sizes + [max_num_tokens]
+
+
+class PiecewiseGraphRunner:
+    def __init__(self, runner, max_num_tokens: int):
+        self.model = runner.model
+        c, dev, dt = runner.config, runner.device, runner.dtype
+        self.sizes = token_ladder(max_num_tokens)
+        t = self.sizes[-1]
+        self.input_ids = torch.zeros(t, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.long, device=dev)
+        self.q = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dt, device=dev)
+        self.k = torch.zeros(t, c.num_key_value_heads, c.head_dim, dtype=dt, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.attn_out = torch.zeros_like(self.q)
+        self.residual = torch.zeros(t, c.hidden_size, dtype=dt, device=dev)
+        self.hidden = torch.zeros_like(self.residual)
+        self.graphs: dict[int, list] = {}     # bucket -> its pieces' replay functions
+        self.capture()
+
+    def _piece(self, i: int, t: int):
+        """Piece i of a t-token forward: the rest of layer i - 1, then layer i up to attention."""
+        m = self.model
+        if i == 0:
+            residual, n = m.embed(self.input_ids[:t])
+        else:
+            residual, n = m.layers[i - 1].after_attention(self.attn_out[:t], self.residual[:t],
+                                                          m.next_norms[i - 1])
+        if i == len(m.layers):
+            self.hidden[:t].copy_(n)
+            return
+        q, k, v = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache)
+        for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
+            buf[:t].copy_(x)
+
+    @torch.inference_mode()
+    def capture(self):
+        """Off CUDA the pieces run eagerly through the same buffers (tests check the plumbing)."""
+        self.pool = None
+        pieces = range(len(self.model.layers) + 1)
+        for t in reversed(self.sizes):      # the largest first: later ones fit in its pool
+            if self.q.device.type != "cuda":
+                self.graphs[t] = [functools.partial(self._piece, i, t) for i in pieces]
+                continue
+            for i in pieces:                # warm-up outside the capture (cuBLAS, allocator)
+                self._piece(i, t)
+            self.graphs[t] = [self._capture(i, t).replay for i in pieces]
+            torch.cuda.synchronize()
+
+    def _capture(self, i: int, t: int) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, self.pool):
+            self._piece(i, t)
+        self.pool = graph.pool()
+        return graph
+
+    def can_run(self, metadata) -> bool:
+        return metadata.num_prefills > 0 and metadata.num_actual_tokens <= self.sizes[-1]
+
+    def run(self, input_ids, positions, metadata):
+        n = metadata.num_actual_tokens
+        t = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        pieces = self.graphs[t]
+        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        for piece, layer in zip(pieces, self.model.layers):
+            piece()
+            layer.attn.impl.forward(q, k, v, layer.attn.kv_cache, metadata, out)
+        pieces[-1]()
+        return self.hidden[:n]
