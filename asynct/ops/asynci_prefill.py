@@ -19,14 +19,14 @@ from collections import namedtuple
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
+from asynct.ops.asynci_decode import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows, pv_dot,
                                       scale_args, split_output, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
 
 @_jit
-def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr):
+def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr, dtype: tl.constexpr):
     """0/1 matrix F with (r @ F)[j] = sum of r over the pool window of key j: F[i, j] = 1 when
     key i of this tile (PREV: of the tile before) lies in j-P+1..j."""
     i = tl.arange(0, BLOCK_N)[:, None]
@@ -35,11 +35,20 @@ def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr):
         band = i - BLOCK_N >= j - (P - 1)
     else:
         band = (j - i >= 0) & (j - i <= P - 1)
-    return tl.where(band, 1.0, 0.0).to(tl.float16)
+    return tl.where(band, 1.0, 0.0).to(dtype)
 
 
 @_jit
-def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur, f_prev, kvh,
+def _pool_operand(r, dtype: tl.constexpr):
+    """r as the band products' operand: fp32 for fp32 inputs (its products "tf32x3", hi + lo
+    tf32 parts: ~22 bits, on the tensor cores), else fp16, whose 2^-11 relative error on the
+    pool is an eighth of what the torch backend's bf16 scores put on theirs. Scores past 2^15
+    are not real ones."""
+    return tl.minimum(tl.maximum(r, -32768.0), 32768.0).to(dtype)
+
+
+@_jit
+def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, f_cur, f_prev, kvh,
           s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
     keys = j0 + tl.arange(0, BLOCK_N)
@@ -52,36 +61,31 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo, f_cur,
         valid = kmask[None, :] & (keys[None, :] <= pos[:, None])
         r = tl.where(valid, r, 0.0)
     # The pool as products with 0/1 bands on the tensor cores: 1.7x faster at 8K tokens than
-    # shifting r through tl.gather (shared-memory round trips). r is split into two fp16
-    # halves so that the sums keep ~22 mantissa bits; scores past 2^15 are not real ones.
-    rc = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
-    r_hi = rc.to(tl.float16)
-    r_lo = (rc - r_hi.to(tl.float32)).to(tl.float16)
-    lp = tl.dot(r_hi, f_cur)
-    lp = tl.dot(r_lo, f_cur, lp)
+    # shifting r through tl.gather (shared-memory round trips). r goes in as one fp16 operand,
+    # not an fp16 hi + lo pair: the two band products saved pay for the gate's lo part in
+    # pv_dot, where the bf16 error was. Tensor-core FLOPs per bf16 score 6D + 4N (was 4D + 8N).
+    r = _pool_operand(r, f_cur.dtype)
+    lp = tl.dot(r, f_cur, input_precision="tf32x3")
     if P > 1:
-        lp = tl.dot(rp_hi, f_prev, lp)
-        lp = tl.dot(rp_lo, f_prev, lp)
+        lp = tl.dot(r_prev, f_prev, lp, input_precision="tf32x3")
     a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
     if MASKED:
         a = tl.where(valid, a, 0.0)
-    acc = tl.dot(a.to(v.dtype), v, acc, input_precision=PREC)
-    return acc, r_hi, r_lo
+    return pv_dot(a, v, acc, PREC), r
 
 
 @_jit
 def _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr,
-          BLOCK_N: tl.constexpr, P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr):
-    """r of the P-1 keys left of `lo` as the previous tile's (hi, lo) fp16 halves; the rest of
-    that tile is zero. Queries before those keys never use them (their gates are masked)."""
+          BLOCK_N: tl.constexpr, P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr,
+          POOL_T: tl.constexpr):
+    """r of the P-1 keys left of `lo` as the previous tile's pool operand; the rest of that
+    tile is zero. Queries before those keys never use them (their gates are masked)."""
     keys = lo - BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = (keys >= 0) & (keys >= lo - (P - 1))
     k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-    rc = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
-    r_hi = rc.to(tl.float16)
-    return r_hi, (rc - r_hi.to(tl.float32)).to(tl.float16)
+    return _pool_operand(r, POOL_T)
 
 
 @_jit(do_not_specialize=["sbt", "S"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
@@ -123,23 +127,23 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     lo = split * per
     end = tl.minimum(lo + per, hi)
 
-    f_cur = _band(BLOCK_N, P, False)
-    f_prev = _band(BLOCK_N, P, True)
-    rp_hi = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)  # r of the tile before (none: 0)
-    rp_lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float16)
+    POOL_T: tl.constexpr = tl.float32 if q.dtype == tl.float32 else tl.float16
+    f_cur = _band(BLOCK_N, P, False, POOL_T)
+    f_prev = _band(BLOCK_N, P, True, POOL_T)
+    r_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=POOL_T)  # r of the tile before (none: 0)
     if P > 1:
         if (lo > 0) & (lo < end):
-            rp_hi, rp_lo = _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS, D,
-                                 BLOCK_N, P, RELU, PREC)
+            r_prev = _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS, D,
+                           BLOCK_N, P, RELU, PREC, POOL_T)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for j0 in range(lo, tl.minimum(full, end), BLOCK_N):
-        acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
-                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
-                                  False)
+        acc, r_prev = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev,
+                            f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
+                            False)
     for j0 in range(tl.maximum(full, lo), end, BLOCK_N):
-        acc, rp_hi, rp_lo = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, rp_hi, rp_lo,
-                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
-                                  True)
+        acc, r_prev = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev,
+                            f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
+                            True)
     acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)   # per split: the partials of scaled sums add
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
