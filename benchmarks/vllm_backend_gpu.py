@@ -114,10 +114,15 @@ def make_step(q_lens, ctx_lens, s: Shape, dtype, device, layout, gen):
     return cm, engine_step, qkv, cache
 
 
-def timed(fn, iters, device):
-    """Mean milliseconds per call, after warm-up calls (they compile)."""
-    if device.type == "cuda":
-        from cascade_ablation import time_us  # benchmarks/ is this script's sys.path[0]
+def timed(fn, iters, device, graph=True):
+    """Mean milliseconds per call, after a warm-up call (it compiles). On CUDA, device time:
+    calls replayed from a CUDA graph, so neither path's Python launch cost is counted (eager
+    launches timed with events measured the host, and varied by 1.3x between identical runs)."""
+    if device.type == "cuda" and graph:
+        from decode_sweep import time_call  # benchmarks/ is this script's sys.path[0]
+        return time_call(fn, reps=max(1, iters // 5)) * 1e3
+    if device.type == "cuda":   # the torch path syncs with the host: it cannot be captured
+        from cascade_ablation import time_us
         return time_us(fn, iters) / 1e3
     fn()
     t0 = time.perf_counter()
@@ -138,7 +143,7 @@ def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iter
 
         def plugin(md=md, out=out, layer_cache=layer_cache):
             attend.forward(x["q"], x["k"], x["v"], layer_cache, md, params, out)
-        ms[path] = timed(plugin, iters, device)
+        ms[path] = timed(plugin, iters, device, graph=path != "torch")
         outs[path] = out
 
     # asynct's engine on the same batch, in its own contiguous [2, NB, BS, Hkv, D] cache.

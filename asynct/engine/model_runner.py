@@ -72,10 +72,13 @@ class ModelRunner:
             layer.attn.kv_cache = self.kv_cache[i]
         if capture and self.device.type == "cuda":
             self._warmup()
+        t0 = time.perf_counter()
         if capture and self.cudagraph_mode != "none":
             self.graphs = CudaGraphRunner(self, self.max_num_seqs)
+        t1 = time.perf_counter()
         if capture and self.cudagraph_mode == "full_and_piecewise":
             self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
+        self.capture_seconds = {"decode_graphs": t1 - t0, "piecewise_graphs": time.perf_counter() - t1}
 
     def _compile_ahead(self):
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
