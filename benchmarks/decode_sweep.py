@@ -16,7 +16,7 @@ from asynct.ops.asynci_decode import asynci_decode_triton, num_splits
 HQ, HKV, D, BS = 8, 4, 128, 16
 # the sweep of 2026-12-01 (block_n 32/64 x warps 2/4 x stages 1-3) kept its best three; the
 # first is the default, the last the default before
-CONFIGS = [dict(block_n=32, num_warps=2, num_stages=2), dict(block_n=32, num_warps=4, num_stages=2),
+CONFIGS = [dict(block_n=32, num_warps=4, num_stages=2), dict(block_n=32, num_warps=2, num_stages=2),
            dict(block_n=64, num_warps=4, num_stages=2)]
 DEFAULT = CONFIGS[0]
 SHAPES = {   # name: (batch, min keys, max keys, shared prefix keys)

@@ -20,9 +20,9 @@ from asynct.ops._triton import jit as _jit, tl, triton
 from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8
 from asynct.ops.paged_ref import asynci_decode_ref
 
-# Keys a tile (with 2 warps a decode program): against 64 keys and 4 warps, as fast or faster on
-# every batch benchmarks/decode_sweep.py tries, most where programs walk few tiles (cascade
-# decodes' private keys); 32 keys with 4 warps is faster still there but 1.3x slower on long ones
+# Keys a tile. With 4 warps and at least two key splits, 32 beat 64 (one split) on the batches of
+# benchmarks/decode_sweep.py by 3-15 % (cascade decodes' short private ranges, mid and small
+# batches), except 256 x 1024 keys (+3 %)
 BLOCK_N = 32
 
 
@@ -226,8 +226,9 @@ def _sm_count(device_index):
 
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
-    """Enough programs for ~3 waves of the SMs, each split at least a tile long."""
-    want = triton.cdiv(3 * sms, max(1, batch * num_kv_heads))
+    """Enough programs for ~3 waves of the SMs, two splits at least (large batches of one
+    split ran 1.1-1.2x slower: benchmarks/decode_sweep.py), each split at least a tile long."""
+    want = max(2, triton.cdiv(3 * sms, max(1, batch * num_kv_heads)))
     return max(1, min(want, triton.cdiv(max_seq_len, BLOCK_N), 64))
 
 
@@ -265,7 +266,7 @@ PREFIX_WARPS = 4
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=2, num_stages=2,
+                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2,
                          k_scale=None, v_scale=None):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
