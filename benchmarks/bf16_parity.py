@@ -177,8 +177,7 @@ def errors(got, oracle):
 
 
 # ---- attention stand-ins: the torch backend's numerics on the paged cache ----------------
-def prefill_torchlike(q, kv_cache, block_table, qsl, seq_lens, sigma, scale, pool, relu, out,
-                      max_query_len=None, max_seq_len=None):
+def prefill_torchlike(q, kv_cache, block_table, qsl, seq_lens, sigma, scale, pool, relu, out, **_):
     """What TorchAttentionImpl computes (bf16 matmuls, fp32 gate), one sequence at a time."""
     for b in range(seq_lens.shape[0]):
         lo, hi, n = int(qsl[b]), int(qsl[b + 1]), int(seq_lens[b])

@@ -219,14 +219,27 @@ def test_fp8_kv_doubles_capacity(tiny_ckpt):
 
 
 def test_fp8_prefix_caching_and_preemption_change_nothing():
-    """An FP8 cache is deterministic: recomputed (preempted) and shared (prefix-cached) blocks
-    hold the same bytes, so outputs match a roomy FP8 engine exactly."""
+    """Recomputed (preempted) and shared (prefix-cached) FP8 blocks hold what a roomy FP8
+    engine's hold. On the CPU the bytes are equal, so the outputs are. On a GPU a recomputed
+    token's K/V come out of GEMMs of another batch shape (other cuBLAS kernels, other rounding)
+    and an FP8 store can round them apart: measured there, 1 prompt in 8 diverged in every CUDA
+    graph mode, and so may any. A divergence must then be a near-tie of the roomy engine."""
     prompts = [gsm_prompts(1)[0] + " " * i for i in range(8)]   # a shared prefix
-    roomy = greedy(LLM(str(TINY_GSM), dtype=DT, kv_cache_dtype="fp8", enable_prefix_caching=False),
-                   prompts, 32)
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=2)   # the top two: the margin
+    roomy = LLM(str(TINY_GSM), dtype=DT, kv_cache_dtype="fp8", enable_prefix_caching=False)
+    want = [o.outputs[0] for o in roomy.generate(prompts, params, use_tqdm=False)]
     tight = LLM(str(TINY_GSM), dtype=DT, kv_cache_dtype="fp8", num_kv_blocks=24, max_num_seqs=8)
-    assert greedy(tight, prompts, 32) == roomy
+    got = greedy(tight, prompts, 32)
     assert tight.llm_engine.scheduler.num_preemptions > 0
+    if not CUDA:
+        assert got == [w.token_ids for w in want]
+        return
+    diverged = [(g, w) for g, w in zip(got, want) if g != w.token_ids]
+    assert len(diverged) <= 2, f"{len(diverged)} of 8 prompts diverged"
+    for g, w in diverged:
+        i = next(i for i, (a, b) in enumerate(zip(g, w.token_ids)) if a != b)
+        top = sorted((lp.logprob for lp in w.logprobs[i].values()), reverse=True)
+        assert top[0] - top[1] < 0.1, f"diverged at token {i} where the roomy engine was sure"
 
 
 def test_fp8_v_past_its_bound_saturates(tiny_ckpt):

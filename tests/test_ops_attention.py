@@ -334,10 +334,10 @@ def worst_vs_float64(out, q, cache, row, n, sigma, scale, pool):
     return worst(out), worst(torch_path[0].transpose(0, 1))
 
 
-# Rounding the gate a to bf16 before a @ V was the kernels' largest bf16 error (up to 2^-8
-# relative on every weight): it left them at 0.5-0.95x of the torch backend's error, too close
-# for an engine run that compounds it over layers. Now the bf16 output cast bounds them, below
-# an eighth of the torch backend's; the margin asked is 3.
+# Rounding the gate a to bf16 before a @ V was the prefill kernel's largest bf16 error (up to
+# 2^-8 relative on every weight): it left it at 0.5-0.95x of the torch backend's error. With the
+# gate's lo part the bf16 output cast bounds it, below an eighth of the torch backend's; the
+# margin asked is 3.
 BF16_MARGIN = 3
 
 
@@ -363,7 +363,10 @@ def test_prefill_bf16_beats_torch_backend(seed):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("cascade", [False, True])
 def test_decode_bf16_beats_torch_backend(seed, cascade):
-    """Eight decodes of 60-150 keys, split-K; cascade: their first 48 keys through the shared-prefix pass."""
+    """Eight decodes of 60-150 keys, split-K; cascade: their first 48 keys through the shared-prefix pass.
+    Decode rounds the gate to bf16 as the torch backend does (its lo part cost 13-18 % of a long
+    decode and moved no engine-level error), so it must only beat the torch path (fp32 scores
+    against bf16 ones: 0.57-0.71 of its worst error here), not by BF16_MARGIN."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, pool = 4, 2, 32, 16, 3
     lens = torch.linspace(60, 150, 8).int().tolist()
@@ -377,7 +380,7 @@ def test_decode_bf16_beats_torch_backend(seed, cascade):
     errs = [worst_vs_float64(out[i:i + 1], qd[i:i + 1], cache, row[0], n, sigma, d ** -0.5, pool)
             for i, n in enumerate(lens)]
     kern, ref = max(e[0] for e in errs), max(e[1] for e in errs)
-    assert kern * BF16_MARGIN < ref, (kern, ref)
+    assert kern < ref, (kern, ref)
 
 
 # ---- on a GPU: realistic shapes, bf16 ------------------------------------------------------

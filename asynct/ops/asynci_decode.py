@@ -84,21 +84,6 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(s - sigma[:, None] * lp, 0.0), 1.0)
 
 
-@_jit
-def pv_dot(a, v, acc, PREC: tl.constexpr):
-    """acc + a @ v for fp32 gates `a` [M, N] in [0, 1]. Rounded to bf16, every weight would
-    carry up to 2^-8 relative error: the kernels' largest bf16 error by far, as large as the
-    torch backend's (bf16 scores and a), and with it an engine run lost the parity. So for
-    bf16 `a` goes in as hi + lo parts (~16 bits): one more dot, free in memory-bound decode
-    and paid for in prefill (_tile). fp16 (2^-11) needs no lo part, so FP8 caches, read as
-    fp16, keep their compute-bound decode as it was."""
-    a_hi = a.to(v.dtype)
-    acc = tl.dot(a_hi, v, acc, input_precision=PREC)
-    if v.dtype == tl.bfloat16:
-        acc = tl.dot((a - a_hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
-    return acc
-
-
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
@@ -144,7 +129,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc = pv_dot(a, v, acc, PREC)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
     acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
     if CASCADE:
@@ -199,7 +184,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc = pv_dot(a, v, acc, PREC)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
         r_prev = r
     acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]

@@ -19,7 +19,7 @@ from collections import namedtuple
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows, pv_dot,
+from asynct.ops.asynci_decode import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
                                       scale_args, split_output, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
@@ -36,6 +36,21 @@ def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr, dtype: tl.
     else:
         band = (j - i >= 0) & (j - i <= P - 1)
     return tl.where(band, 1.0, 0.0).to(dtype)
+
+
+@_jit
+def pv_dot(a, v, acc, PREC: tl.constexpr):
+    """acc + a @ v for fp32 gates `a` [M, N] in [0, 1]. Rounded to bf16, every weight would
+    carry up to 2^-8 relative error, the kernel's largest bf16 error. So for bf16 `a` goes in
+    as hi + lo parts (~16 bits), paid for by the pool's single fp16 operand (_tile). fp16
+    (2^-11) needs no lo part. The decode kernels round `a` to bf16: there the lo part's dot
+    cost 13-18 % of a long decode (benchmarks/decode_sweep.py) and moved no engine-level
+    error (RESULTS.md, bf16 parity)."""
+    a_hi = a.to(v.dtype)
+    acc = tl.dot(a_hi, v, acc, input_precision=PREC)
+    if v.dtype == tl.bfloat16:
+        acc = tl.dot((a - a_hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
+    return acc
 
 
 @_jit
