@@ -15,10 +15,10 @@ from asynct.ops.asynci_decode import asynci_decode_triton, num_splits
 
 HQ, HKV, D, BS = 8, 4, 128, 16
 # the sweep of 2026-12-01 (block_n 32/64 x warps 2/4 x stages 1-3) kept its best three; the
-# first is the default, the last the default before
+# last is the default
 CONFIGS = [dict(block_n=32, num_warps=4, num_stages=2), dict(block_n=32, num_warps=2, num_stages=2),
            dict(block_n=64, num_warps=4, num_stages=2)]
-DEFAULT = CONFIGS[0]
+DEFAULT = CONFIGS[2]
 SHAPES = {   # name: (batch, min keys, max keys, shared prefix keys)
     "gsm8k-cascade": (224, 880, 1010, 688), "gsm8k-no-cascade": (224, 880, 1010, 0),
     "throughput": (144, 200, 2048, 0), "dense-256x1024": (256, 1024, 1024, 0),
@@ -94,9 +94,8 @@ def main():
             rows.append((t, cfg, s, err))
         rows.sort(key=lambda r: r[0])
         default = next(r for r in rows if r[1] == dict(DEFAULT, prefix_splits=None) and r[2] == auto)
-        old = next(r for r in rows if r[1] == dict(CONFIGS[2], prefix_splits=None) and r[2] == auto)
-        for t, cfg, s, err in rows[:5] + [default, old]:
-            tag = " (default)" if (cfg, s) == default[1:3] else " (old default)" if (cfg, s) == old[1:3] else ""
+        for t, cfg, s, err in rows[:5] + [default]:
+            tag = " (default)" if (cfg, s) == default[1:3] else ""
             print(f"{name} | n{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']} "
                   f"pre{cfg['prefix_splits'] or 'auto'}{tag} | {s} | {t * 1e6:.1f} | {kv_bytes / t / bw:.2f} | "
                   f"{err:.1e}")

@@ -20,10 +20,9 @@ from asynct.ops._triton import jit as _jit, tl, triton
 from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8
 from asynct.ops.paged_ref import asynci_decode_ref
 
-# Keys a tile. With 4 warps and at least two key splits, 32 beat 64 (one split) on the batches of
-# benchmarks/decode_sweep.py by 3-15 % (cascade decodes' short private ranges, mid and small
-# batches), except 256 x 1024 keys (+3 %)
-BLOCK_N = 32
+# Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
+# batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
+BLOCK_N = 64
 
 
 @_jit
@@ -211,9 +210,8 @@ def _sm_count(device_index):
 
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
-    """Enough programs for ~3 waves of the SMs, two splits at least (large batches of one
-    split ran 1.1-1.2x slower: benchmarks/decode_sweep.py), each split at least a tile long."""
-    want = max(2, triton.cdiv(3 * sms, max(1, batch * num_kv_heads)))
+    """Enough programs for ~3 waves of the SMs, each split at least a tile long."""
+    want = triton.cdiv(3 * sms, max(1, batch * num_kv_heads))
     return max(1, min(want, triton.cdiv(max_seq_len, BLOCK_N), 64))
 
 
