@@ -13,6 +13,22 @@ def batch_size_ladder(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def capture_graph(owner, fn) -> torch.cuda.CUDAGraph:
+    """fn's launches as a graph in `owner.pool` (then the pool of every graph captured after),
+    on `owner.stream`. capture_begin/end, not torch.cuda.graph: that one synchronises and
+    empties the allocator's cache around every capture, which made most of the capture time of
+    ~600 piecewise graphs (engine start 5.6 -> 3.5 s warm)."""
+    graph = torch.cuda.CUDAGraph()
+    owner.stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(owner.stream):
+        graph.capture_begin(*(() if owner.pool is None else (owner.pool,)))
+        fn()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(owner.stream)
+    owner.pool = graph.pool()
+    return graph
+
+
 class CudaGraphRunner:
     def __init__(self, runner, max_num_seqs: int):
         self.backend, self.model = runner.backend, runner.model   # not the runner: no cycle
@@ -29,17 +45,13 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self):
-        pool = None
+        self.pool, self.stream = None, torch.cuda.Stream()
         backend, model = self.backend, self.model
         for bs in reversed(self.sizes):
             set_context(backend.prepare_for_capture(bs))
             self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])   # warm-up
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs] = capture_graph(self, lambda: self.hidden[:bs].copy_(
+                model(self.input_ids[:bs], self.positions[:bs])))
             reset_context()
         torch.cuda.synchronize()
 

@@ -15,6 +15,8 @@ import functools
 
 import torch
 
+from asynct.engine.cuda_graph import capture_graph
+
 
 def token_ladder(max_num_tokens: int) -> list[int]:
     """Buckets: powers of two up to 512 (padding stays small for short steps), then every 512."""
@@ -67,22 +69,9 @@ class PiecewiseGraphRunner:
                 continue
             for i in pieces:                # warm-up outside the capture (cuBLAS, allocator)
                 self._piece(i, t)
-            self.graphs[t] = [self._capture(i, t).replay for i in pieces]
+            self.graphs[t] = [capture_graph(self, functools.partial(self._piece, i, t)).replay
+                              for i in pieces]
             torch.cuda.synchronize()
-
-    def _capture(self, i: int, t: int) -> torch.cuda.CUDAGraph:
-        """capture_begin/end on one side stream, not torch.cuda.graph: that one synchronises and
-        empties the allocator's cache around every capture, which over ~600 small pieces was
-        most of the capture time."""
-        graph = torch.cuda.CUDAGraph()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            graph.capture_begin(*(() if self.pool is None else (self.pool,)))
-            self._piece(i, t)
-            graph.capture_end()
-        torch.cuda.current_stream().wait_stream(self.stream)
-        self.pool = graph.pool()
-        return graph
 
     def can_run(self, metadata) -> bool:
         return metadata.num_prefills > 0 and metadata.num_actual_tokens <= self.sizes[-1]
