@@ -196,6 +196,7 @@ def test_prefill_ref_matches_dense_reference():
     (4, 1, 16, 4, 5, True, [130, 64], 4),              # GQA 4, halo crossing blocks
     (4, 4, 16, 16, 1, False, [9, 200], 2),             # pool 1
     (8, 2, 16, 4, 2, True, [1, 2, 3], 8),              # more splits than keys
+    (2, 2, 16, 4, 70, True, [150, 3], None),           # a pool wider than a 64-key tile
 ])
 def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     err = decode_case(asynci_decode_triton, lens, hq, hkv, d, bs, pool, relu, device=DEV,
@@ -249,6 +250,12 @@ def test_prefill_triton_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, blo
     err = prefill_case(asynci_prefill_triton, q_lens, ctx, hq, hkv, d, bs, pool, relu,
                        device=DEV, block_m=block_m, block_n=16)
     assert err < 1e-5
+
+
+def test_prefill_refuses_a_pool_wider_than_its_tiles():
+    with pytest.raises(ValueError, match="pool_size 18"):
+        prefill_case(asynci_prefill_triton, [20], [0], 2, 2, 16, 4, 18, True, device=DEV, block_m=16,
+                     block_n=16)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,splits", [

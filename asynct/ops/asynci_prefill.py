@@ -234,6 +234,8 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms)
     splits = splits or (plan_splits if block_m is None else 1)
     block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
+    if pool_size - 1 > block_n:   # the band products reach back one key tile only
+        raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
     dst, strides = split_output(out, splits)
     grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv * splits)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
