@@ -54,6 +54,7 @@ class CudaGraphRunner:
                 model(self.input_ids[:bs], self.positions[:bs])))
             reset_context()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()            # the warm-ups' blocks; the graphs keep their pool
 
     def can_run(self, metadata) -> bool:
         return metadata.num_prefills == 0 and 0 < metadata.num_decodes <= self.max_bs

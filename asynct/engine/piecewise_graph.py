@@ -60,18 +60,18 @@ class PiecewiseGraphRunner:
     @torch.inference_mode()
     def capture(self):
         """Off CUDA the pieces run eagerly through the same buffers (tests check the plumbing)."""
-        self.pool = None
-        self.stream = torch.cuda.Stream() if self.q.is_cuda else None
         pieces = range(len(self.model.layers) + 1)
+        if not self.q.is_cuda:
+            self.graphs = {t: [functools.partial(self._piece, i, t) for i in pieces] for t in self.sizes}
+            return
+        self.pool, self.stream = None, torch.cuda.Stream()
         for t in reversed(self.sizes):      # the largest first: later ones fit in its pool
-            if self.q.device.type != "cuda":
-                self.graphs[t] = [functools.partial(self._piece, i, t) for i in pieces]
-                continue
             for i in pieces:                # warm-up outside the capture (cuBLAS, allocator)
                 self._piece(i, t)
             self.graphs[t] = [capture_graph(self, functools.partial(self._piece, i, t)).replay
                               for i in pieces]
-            torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()            # the warm-ups' blocks; the graphs keep their pool
 
     def can_run(self, metadata) -> bool:
         return metadata.num_prefills > 0 and metadata.num_actual_tokens <= self.sizes[-1]
