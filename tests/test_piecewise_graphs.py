@@ -58,10 +58,14 @@ def _assert_same(a, b, tol):
         assert max(abs(p - q) for p, q in zip(flat_x, flat_y)) < tol
 
 
-def test_pieces_equal_plain_forward_cpu(tiny_ckpt):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_pieces_equal_plain_forward_cpu(tiny_ckpt, async_scheduling):
+    """With async scheduling, a step's inputs include tokens still on the device: they must
+    reach the pieces' static input buffer too."""
     runs = []
     for piecewise in (False, True):
-        llm = LLM(tiny_ckpt, device="cpu", max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=256)
+        llm = LLM(tiny_ckpt, device="cpu", max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=256,
+                  async_scheduling=async_scheduling)
         if piecewise:
             runner = llm.llm_engine.runner
             runner.piecewise = PiecewiseGraphRunner(runner, 64)
