@@ -13,6 +13,16 @@ def test_bad_preset_fails_at_parse_time(capsys):
     assert e.value.code == 2 and "invalid choice: 'huge'" in capsys.readouterr().err
 
 
+def test_cudagraph_mode_flag_matches_the_engine(capsys):
+    """The CLI names the modes without importing the engine: both lists must agree."""
+    from asynct.engine.engine_args import CUDAGRAPH_MODES
+    from asynct.entrypoints.cli import CUDAGRAPH_MODES as CLI_MODES
+    assert CLI_MODES == CUDAGRAPH_MODES
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "/nonexistent", "--cudagraph-mode", "piecewise"])
+    assert e.value.code == 2 and "invalid choice: 'piecewise'" in capsys.readouterr().err
+
+
 def test_generate_takes_token_ids(tiny_ckpt, capsys):
     assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2,3", "--prompt-token-ids", "4 5",
                  "--max-tokens", "3", "--json"]) == 0
