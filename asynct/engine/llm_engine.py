@@ -20,6 +20,11 @@ from asynct.model.checkpoint import prepare_config_for_load
 log = logging.getLogger("asynct")
 
 
+def startup_text(seconds: dict) -> str:
+    """An engine's start-up seconds by part, as start-up lines print them."""
+    return ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in seconds.items())
+
+
 @dataclass
 class StepRecord:
     kind: str            # "graph", "piecewise mixed", "piecewise prefill", "decode", "mixed", "prefill"
@@ -78,7 +83,7 @@ class LLMEngine:
         graphs = self.runner.capture_seconds
         self.startup_seconds = {"weights": t1 - t0, "profile": t2 - t1,
                                 "kv_cache": time.perf_counter() - t2 - sum(graphs.values()), **graphs}
-        log.info("engine ready: %s", ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_seconds.items()))
+        log.info("engine ready: %s", startup_text(self.startup_seconds))
         self.block_manager = BlockManager(num_blocks, args.block_size, args.enable_prefix_caching)
         admit = args.admission_batch or max(1, args.max_num_seqs // 16)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens, admit,

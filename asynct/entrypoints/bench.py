@@ -239,7 +239,8 @@ def bench(a, model, device):
     with _compiles(device) as startup:
         t0 = time.perf_counter()
         llm = LLM(str(model), **engine_kwargs(a))
-    parts = ", ".join(f"{k.replace('_', ' ')} {v:.1f}" for k, v in llm.llm_engine.startup_seconds.items())
+    from asynct.engine.llm_engine import startup_text
+    parts = startup_text(llm.llm_engine.startup_seconds)
     print(f"engine start {time.perf_counter() - t0:.1f} s ({parts})" + _compiled(startup), flush=True)
     rows = []
     for name in a.workloads:

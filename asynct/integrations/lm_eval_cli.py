@@ -157,12 +157,13 @@ def quiet_git_hash():
 
 
 def print_timing(seconds: float):
+    from asynct.engine.llm_engine import startup_text
     from asynct.integrations.lm_eval import AsyncTLM
     lm = AsyncTLM.latest
     if lm is None:  # another lm-eval model ran
         return
     load, engine = lm.timings["load"], lm.timings["engine"]
-    startup = ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in lm.llm.llm_engine.startup_seconds.items())
+    startup = startup_text(lm.llm.llm_engine.startup_seconds)
     print(f"asynct eval: {seconds:.1f} s: engine start {load:.1f} s ({startup}), generation and scoring "
           f"{engine:.1f} s, lm-eval's own work {seconds - load - engine:.1f} s")
 
