@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests runtime fp8 vllm parity sweep decode-sweep bench engine profile profile-gsm8k
+#   stages: smoke gputests runtime fp8 vllm parity sweep decode-sweep small-batch bench engine profile
+#           profile-gsm8k
 #           ablation cascade serve eval dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
 set -uo pipefail
@@ -22,13 +23,15 @@ for s in $stages; do
            grep -q " passed" $OUT/smoke.log && ! grep -q "failed" $OUT/smoke.log || exit 1 ;;
     gputests) timeout 300 python3 -m pytest tests/test_gpu_runtime.py tests/test_piecewise_graphs.py \
              tests/test_async_scheduling.py tests/test_ops_attention.py tests/test_ops_elementwise.py \
-             tests/test_fp8_kv.py -q -p no:cacheprovider \
+             tests/test_fp8_kv.py tests/test_ops_fused_linear.py -q -p no:cacheprovider \
              2>&1 | tail -15 | tee $OUT/gputests.log ;;
     fp8) timeout 300 python3 benchmarks/fp8_kv.py $M 2>&1 | grep -v "^{" | tee $OUT/fp8.log ;;
     vllm) timeout 120 python3 benchmarks/vllm_backend_gpu.py 2>&1 | tee $OUT/vllm.log ;;
     parity) timeout 300 python3 benchmarks/bf16_parity.py --seeds 1 2>&1 | tee $OUT/parity.log ;;
     sweep) timeout 170 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log ;;
     decode-sweep) timeout 120 python3 benchmarks/decode_sweep.py 2>&1 | tee $OUT/decode_sweep.log ;;
+    small-batch) timeout 300 python3 benchmarks/small_batch.py --model $M --sweep 2>&1 | grep -v "^{" \
+             | tee $OUT/small_batch.log ;;
     runtime) # a new user's first run (empty Triton cache, cold process), then the same workloads warm;
              # then a second process (warm cache) without piecewise graphs for the same-run ratio
              for flags in "" "--cudagraph-mode full_decode_only"; do

@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from asynct import ops
 from asynct.attention import StepInputs, resolve_backend
 from asynct.attention.base import host_to_device
 from asynct.engine.context import reset_context, set_context
@@ -87,17 +88,20 @@ class ModelRunner:
         if triton is None:
             return
         with compile_only(os.cpu_count() or 4):
-            self.allocate_kv_cache(1, capture=False)
+            self.allocate_kv_cache(-(-(ops.SMALL_M + 1) // self.block_size), capture=False)
             self._warmup()
         self._release_kv_cache()
 
     @torch.inference_mode()
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: a one-token forward (the
-        elementwise kernels, KV write, prefill), then the attention variants it cannot reach."""
-        step = StepInputs([1], [1], [[0]], [0], 0)
-        self._forward(torch.zeros(1, dtype=torch.long, device=self.device),
-                      torch.zeros(1, dtype=torch.long, device=self.device), self.builder.build(step))
+        decode-sized fused linears, KV write, prefill), one just past them (the unfused
+        elementwise kernels), then the attention variants neither can reach."""
+        for n in (1, ops.SMALL_M + 1):
+            blocks = list(range(-(-n // self.block_size)))
+            step = StepInputs([n], [n], [blocks], list(range(n)), 0)
+            self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                          torch.arange(n, device=self.device), self.builder.build(step))
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         torch.cuda.synchronize(self.device)
 

@@ -63,23 +63,17 @@ class DecoderLayer(nn.Module):
 
     def attention_inputs(self, positions, n, cos_sin):
         """q, k, v of the tokens, normed and rotated: everything of the layer before attention."""
-        t, d = n.shape[0], self.head_dim
-        qkv = self.qkv_proj(n)
-        nq, nk = self.num_heads * d, self.num_kv_heads * d
-        q = qkv[:, :nq].view(t, self.num_heads, d)          # strided views: no copies
-        k = qkv[:, nq:nq + nk].view(t, self.num_kv_heads, d)
-        v = qkv[:, nq + nk:].view(t, self.num_kv_heads, d)
         qn, kn = self.q_norm, self.k_norm
-        q, k = ops.qk_norm_rope(q, k, positions, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin)
-        return q, k, v
+        return ops.linear_qk_norm_rope(n, self.qkv_proj.weight, positions, self.num_heads,
+                                       self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin)
 
     def after_attention(self, attn_out, residual, next_norm):
         """Everything of the layer after attention, through the next layer's input norm."""
-        o = self.o_proj(attn_out.view(attn_out.shape[0], -1))
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
-        h, m = ops.dyht_add(o, residual, pre.alpha, pre.weight, post.alpha, post.weight)
-        mlp = self.down_proj(ops.reglu(self.gate_up_proj(m)))
-        return ops.dyht_add(mlp, h, next_norm.alpha, next_norm.weight)
+        h, m = ops.linear_dyht_add(attn_out.view(attn_out.shape[0], -1), self.o_proj.weight, residual,
+                                   pre.alpha, pre.weight, post.alpha, post.weight)
+        mlp = ops.linear_reglu(m, self.gate_up_proj.weight)
+        return ops.linear_dyht_add(mlp, self.down_proj.weight, h, next_norm.alpha, next_norm.weight)
 
 
 class AsyncTEngineModel(nn.Module):

@@ -1,0 +1,236 @@
+"""Decode-sized linear layers (at most SMALL_M rows) with the elementwise op after them fused into
+their epilogue: QKV + q/k DyHT + RoPE, gate/up + ReGLU, o_proj and down_proj + residual add +
+DyHT. At batch 1-16 a decode step is bound by launches and ramp-ups, not bytes: ~11 kernels a
+layer (cuBLAS added a split-K reduction to two of them) become 4 plus attention. DyHT has no
+reduction, so a program that owns a tile of output columns can finish it alone.
+
+Every program streams 16 weight rows (a 16-row dot with the <= 16 activation rows); RoPE and
+ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j), so their programs
+load the two halves as one 16-row tile and split the accumulator. The accumulator is rounded
+to the activation dtype before the epilogue, as the unfused ops receive it.
+
+Each op's reference is the unfused composition; it also serves CPUs and larger batches."""
+import torch
+import torch.nn.functional as F
+
+from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops.dyht import _param_stride, dyht_add
+from asynct.ops.reglu import reglu
+from asynct.ops.rope import qk_norm_rope
+
+SMALL_M = 16
+HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
+
+
+def linear_qk_norm_rope_ref(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
+                            k_alpha, k_weight, cos_sin_cache):
+    qkv = F.linear(x, weight)
+    t, d = x.shape[0], cos_sin_cache.shape[-1]
+    nq, nk = num_heads * d, num_kv_heads * d
+    q, k = qkv[:, :nq].view(t, num_heads, d), qkv[:, nq:nq + nk].view(t, num_kv_heads, d)
+    q, k = qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)
+    return q, k, qkv[:, nq + nk:].view(t, num_kv_heads, d)
+
+
+def linear_reglu_ref(x, weight):
+    return reglu(F.linear(x, weight))
+
+
+def linear_dyht_add_ref(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+    return dyht_add(F.linear(x, weight), residual, alpha, dyht_weight, post_alpha, post_weight)
+
+
+@_jit
+def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype"""
+    m = tl.arange(0, BLOCK_M)[:, None]
+    xp = x_ptr + m * sx
+    wp = w_ptr + rows.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+        if EVEN_K:
+            x = tl.load(xp + kk, mask=m < M, other=0.0)
+            w = tl.load(wp + kk, mask=rmask[:, None], other=0.0)
+        else:
+            x = tl.load(xp + kk, mask=(m < M) & (kk < K), other=0.0)
+            w = tl.load(wp + kk, mask=rmask[:, None] & (kk < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@_jit
+def _halves(acc, BLOCK_M: tl.constexpr, HB: tl.constexpr):
+    """[BLOCK_M, 2 * HB] -> its first and second HB columns."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HB)), (0, 2, 1)))
+
+
+@_jit
+def _dyht(x, a_ptr, w_ptr, cols, sa, sw):
+    a = tl.load(a_ptr + cols * sa).to(tl.float32)
+    w = tl.load(w_ptr + cols * sw).to(tl.float32)
+    return w[None, :] * tl.minimum(tl.maximum(a[None, :] * x, -1.0), 1.0)
+
+
+@_jit(do_not_specialize=["M", "HQ", "HKV"])
+def _qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K, HQ, HKV,
+                     qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw,
+                     HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
+    per_head: tl.constexpr = HALF // HB
+    head = tl.program_id(0) // per_head
+    d0 = (tl.program_id(0) % per_head) * HB
+    j = tl.arange(0, 2 * HB)
+    rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION)
+    lo, hi = _halves(acc, BLOCK_M, HB)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    d = d0 + tl.arange(0, HB)
+    if head < HQ + HKV:
+        if head < HQ:
+            lo, hi = _dyht(lo, qa_ptr, qw_ptr, d, sqa, sqw), _dyht(hi, qa_ptr, qw_ptr, d + HALF, sqa, sqw)
+            out, h, nh = q_ptr, head, HQ
+        else:
+            lo, hi = _dyht(lo, ka_ptr, kw_ptr, d, ska, skw), _dyht(hi, ka_ptr, kw_ptr, d + HALF, ska, skw)
+            out, h, nh = k_ptr, head - HQ, HKV
+        cs = cs_ptr + tl.load(pos_ptr + m, mask=m < M, other=0) * (2 * HALF) + d[None, :]
+        cos, sin = tl.load(cs), tl.load(cs + HALF)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    else:
+        out, h, nh = v_ptr, head - HQ - HKV, HKV
+    dst = out + (m * nh + h) * (2 * HALF) + d[None, :]
+    ty = out.dtype.element_ty
+    tl.store(dst, lo.to(ty), mask=m < M)
+    tl.store(dst + HALF, hi.to(ty), mask=m < M)
+
+
+@_jit(do_not_specialize=["M"])
+def _gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+    # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
+    j = tl.arange(0, 2 * HB)
+    n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
+    rows = tl.where(j < HB, n, n + I)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION)
+    gate, up = _halves(acc, BLOCK_M, HB)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
+    tl.store(out_ptr + m * I + cols, (tl.maximum(gate, 0.0) * up).to(out_ptr.dtype.element_ty),
+             mask=(m < M) & (cols < I))
+
+
+@_jit(do_not_specialize=["M"])
+def _linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, dw_ptr, pa_ptr, pw_ptr,
+                            M, K, N, sa, sw, spa, spw, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            PRECISION: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    safe = tl.where(cmask, cols, 0)
+    if HAS_POST:
+        h = _dyht(h, pa_ptr, pw_ptr, safe, spa, spw)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    offs, mask = m * N + cols[None, :], (m < M) & cmask[None, :]
+    h = (h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(hid_ptr.dtype.element_ty)
+    tl.store(hid_ptr + offs, h, mask=mask)
+    n = _dyht(h.to(tl.float32), a_ptr, dw_ptr, safe, sa, sw)     # from the rounded hidden, as unfused
+    tl.store(out_ptr + offs, n.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x, weight):
+    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= SMALL_M:
+        raise ValueError(f"x must be [T <= {SMALL_M}, K] with unit last stride, got {tuple(x.shape)}")
+    if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _tiles(x, k):
+    """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION) and the launch options for a K-wide stream."""
+    block_k = max(16, min(256, triton.next_power_of_2(k)))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
+                num_warps=4, num_stages=4)
+
+
+def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
+                               k_alpha, k_weight, cos_sin_cache):
+    _check(x, weight)
+    d = cos_sin_cache.shape[-1]
+    if d < 2 * HALF_TILE or d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two >= {2 * HALF_TILE}, got {d}")
+    if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
+        raise ValueError(f"qkv weight has {weight.shape[0]} rows, the heads want "
+                         f"{(num_heads + 2 * num_kv_heads) * d}")
+    t, k = x.shape
+    q = torch.empty(t, num_heads, d, dtype=x.dtype, device=x.device)
+    kk, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
+    strides = [_param_stride(p, d, n) for p, n in ((q_alpha, "q_alpha"), (q_weight, "q_weight"),
+                                                    (k_alpha, "k_alpha"), (k_weight, "k_weight"))]
+    grid = ((num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE),)
+    _qkv_rope_kernel[grid](x, x.stride(0), weight, q, kk, v, positions, cos_sin_cache, t, k, num_heads,
+                           num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, HALF=d // 2,
+                           HB=HALF_TILE, **_tiles(x, k))
+    return q, kk, v
+
+
+def linear_reglu_triton(x, weight):
+    _check(x, weight)
+    if weight.shape[0] % 2:
+        raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
+    (t, k), i = x.shape, weight.shape[0] // 2
+    out = torch.empty(t, i, dtype=x.dtype, device=x.device)
+    _gate_up_reglu_kernel[(triton.cdiv(i, HALF_TILE),)](x, x.stride(0), weight, out, t, k, i,
+                                                        HB=HALF_TILE, **_tiles(x, k))
+    return out
+
+
+def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+    _check(x, weight)
+    (t, k), n = x.shape, weight.shape[0]
+    if residual is None or residual.shape != (t, n) or not residual.is_contiguous():
+        raise ValueError(f"residual must be contiguous {(t, n)}")
+    if (post_alpha is None) != (post_weight is None):
+        raise ValueError("post_alpha and post_weight go together")
+    hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
+    has_post = post_alpha is not None
+    pa, pw = (post_alpha, post_weight) if has_post else (alpha, dyht_weight)
+    strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
+                                                    (pa, "post_alpha"), (pw, "post_weight"))]
+    _linear_dyht_add_kernel[(triton.cdiv(n, 2 * HALF_TILE),)](
+        x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
+        *strides, HAS_POST=has_post, BLOCK_N=2 * HALF_TILE, **_tiles(x, k))
+    return hidden, normed
+
+
+def _fast(x, weight) -> bool:
+    """The fused kernels serve decode-sized CUDA batches; the rest runs the unfused ops."""
+    return (x.is_cuda and triton is not None and x.dim() == 2 and 0 < x.shape[0] <= SMALL_M
+            and x.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype)
+
+
+def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
+                        k_weight, cos_sin_cache):
+    """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
+    rotated (NeoX RoPE over the whole head)."""
+    d = cos_sin_cache.shape[-1]
+    fast = _fast(x, weight) and d >= 2 * HALF_TILE and not d & (d - 1)
+    fn = linear_qk_norm_rope_triton if fast else linear_qk_norm_rope_ref
+    return fn(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
+              cos_sin_cache)
+
+
+def linear_reglu(x, weight):
+    """relu(gate) * up of `x @ weight.T` (weight = [gate; up])."""
+    fn = linear_reglu_triton if _fast(x, weight) and weight.shape[0] % 2 == 0 else linear_reglu_ref
+    return fn(x, weight)
+
+
+def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+    """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them."""
+    fast = _fast(x, weight) and residual is not None and residual.is_contiguous()
+    fn = linear_dyht_add_triton if fast else linear_dyht_add_ref
+    return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)

@@ -1,0 +1,149 @@
+"""Small-batch decode: the fused decode-sized linears (asynct/ops/fused_linear.py) against the
+unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-0.6b's shapes.
+
+    PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep]
+
+1. Each layer op at 1, 8 and 16 rows, graph-timed over enough distinct weight copies that every
+   replay reads HBM (as 35 layers do), with the bandwidth its weights achieve. --sweep adds tile
+   configs (BLOCK_K, stages, warps).
+2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16 and 32, context 384, for an engine with
+   the fused linears and one without, against the step's roofline: weights + KV read once at the
+   copy bandwidth."""
+import argparse
+import contextlib
+import gc
+import tempfile
+from pathlib import Path
+
+import torch
+from kernels import bench, copy_bandwidth, n_sets
+from profile_decode import fill_decodes, mean_step
+
+from asynct import LLM
+from asynct.model.checkpoint import make_checkpoint
+from asynct.ops import fused_linear as fl
+from asynct.ops.rope import rope_cos_sin_cache
+
+C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
+BF = torch.bfloat16
+
+
+@contextlib.contextmanager
+def unfused():
+    fast = fl._fast
+    fl._fast = lambda *a: False
+    try:
+        yield
+    finally:
+        fl._fast = fast
+
+
+@contextlib.contextmanager
+def tiles(block_k, stages, warps):
+    orig = fl._tiles
+
+    def patched(x, k):
+        t = orig(x, k)
+        t.update(BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_stages=stages, num_warps=warps)
+        return t
+    fl._tiles = patched
+    try:
+        yield
+    finally:
+        fl._tiles = orig
+
+
+def op_cases(m):
+    """(name, weight shape, fn(x, w, aux)) per layer op; aux holds what the epilogue reads."""
+    pos = torch.arange(m, device="cuda") + 300
+    cache = rope_cos_sin_cache(D, 4096, 1e6, "cuda")
+    one, res = torch.ones(1, device="cuda", dtype=BF), torch.randn(m, C, device="cuda", dtype=BF)
+    return [
+        ("qkv+norm+rope", ((HQ + 2 * HKV) * D, C),
+         lambda x, w: fl.linear_qk_norm_rope(x, w, pos, HQ, HKV, one, one, one, one, cache)),
+        ("o+dyht_add", (C, HQ * D), lambda x, w: fl.linear_dyht_add(x, w, res, one, one, one, one)),
+        ("gate_up+reglu", (2 * INTER, C), lambda x, w: fl.linear_reglu(x, w)),
+        ("down+dyht_add", (C, INTER), lambda x, w: fl.linear_dyht_add(x, w, res, one, one)),
+    ]
+
+
+def time_op(fn, shape, m):
+    nbytes = shape[0] * shape[1] * 2
+    sets = [(torch.randn(m, shape[1], device="cuda", dtype=BF),
+             torch.randn(shape, device="cuda", dtype=BF) * 0.02) for _ in range(n_sets(nbytes))]
+    t = bench([lambda s=s: fn(*s) for s in sets])
+    return t, nbytes / t / 1e12
+
+
+def ops_table(copy_bw, sweep):
+    print("\nop | rows | unfused us | fused us | fused TB/s | of copy BW | unfused / fused")
+    configs = [(bk, st, w) for bk in (128, 256, 512) for st in (3, 5) for w in (4, 8)] if sweep else []
+    for m in (1, 8, 16):
+        for name, shape, fn in op_cases(m):
+            with unfused():
+                t_u, _ = time_op(fn, shape, m)
+            t_f, bw = time_op(fn, shape, m)
+            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | {bw / copy_bw:.2f} | "
+                  f"{t_u / t_f:.2f}", flush=True)
+            for cfg in (configs if m != 8 else []):
+                with tiles(*cfg):
+                    try:
+                        t_c, bw_c = time_op(fn, shape, m)
+                    except Exception as e:      # a config that does not fit is a result too
+                        print(f"  bk{cfg[0]} st{cfg[1]} w{cfg[2]}: {type(e).__name__}")
+                        continue
+                print(f"  bk{cfg[0]} st{cfg[1]} w{cfg[2]} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
+
+
+def engine_steps(model, fused: bool, batches, context):
+    with contextlib.nullcontext() if fused else unfused():
+        llm = LLM(model, max_num_seqs=max(batches), gpu_memory_utilization=0.3,
+                  cudagraph_mode="full_decode_only")
+        eng, out = llm.llm_engine, {}
+        for b in batches:
+            fill_decodes(llm, b, context)
+            mean_step(eng, 10)
+            out[b] = mean_step(eng, 100)
+            for seq in list(eng.scheduler.running):
+                eng.abort_request(seq.request_id)
+            while eng.has_unfinished_requests():
+                eng.step()
+    weights = sum(p.numel() * p.element_size() for n, p in eng.runner.model.named_parameters()
+                  if "embed_tokens" not in n or eng.runner.model.lm_head is None)
+    del llm, eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out, weights
+
+
+def steps_table(model, copy_bw, context=384):
+    batches = (1, 8, 16, 32)
+    fused, weights = engine_steps(model, True, batches, context)
+    plain, _ = engine_steps(model, False, batches, context)
+    print(f"\ndecode step, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
+          f" + KV) / copy BW")
+    print("batch | unfused ms | fused ms | unfused / fused | roofline ms | fused / roofline")
+    for b in batches:
+        kv = b * context * 2 * 35 * HKV * D * 2
+        roof = (weights + kv) / (copy_bw * 1e12)
+        print(f"{b} | {plain[b] * 1e3:.3f} | {fused[b] * 1e3:.3f} | {plain[b] / fused[b]:.2f} | "
+              f"{roof * 1e3:.3f} | {fused[b] / roof:.2f}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--skip-engine", action="store_true")
+    a = ap.parse_args()
+    print(torch.cuda.get_device_name())
+    copy_bw = copy_bandwidth()
+    print(f"copy bandwidth {copy_bw:.2f} TB/s")
+    ops_table(copy_bw, a.sweep)
+    if not a.skip_engine:
+        model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
+        steps_table(str(model), copy_bw)
+
+
+if __name__ == "__main__":
+    main()

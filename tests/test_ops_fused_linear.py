@@ -1,0 +1,110 @@
+"""Decode-sized fused linear layers (Triton, interpreted on CPU) against their unfused
+compositions, on awkward shapes: K and N not multiples of the tiles, GQA, 1 and 16 rows."""
+import pytest
+import torch
+from test_ops_attention import _interpreter_scalars  # noqa: F401  (autouse: loop bounds, bf16)
+
+from asynct.ops import (SMALL_M, linear_dyht_add, linear_dyht_add_ref, linear_dyht_add_triton,
+                        linear_qk_norm_rope, linear_qk_norm_rope_ref, linear_qk_norm_rope_triton,
+                        linear_reglu, linear_reglu_ref, linear_reglu_triton, rope_cos_sin_cache)
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def on_dev(fn, *args, **kwargs):
+    out = fn(*[a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+    return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
+
+
+def close(got, want, dtype):
+    assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def rand(*shape, gen, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+
+def norm_params(n, per_channel, gen):
+    """(alpha, weight): alpha large enough that the clamp cuts some values, scalar or per channel."""
+    c = n if per_channel else 1
+    return torch.rand(c, generator=gen) * 3 + 0.2, torch.randn(c, generator=gen)
+
+
+CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33)]    # (rows, K, N)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k,n", CASES)
+@pytest.mark.parametrize("post", [False, True])
+def test_linear_dyht_add(t, k, n, post, dtype):
+    gen = torch.Generator().manual_seed(t * 100 + n)
+    x, w, res = rand(t, k, gen=gen, dtype=dtype), rand(n, k, gen=gen, dtype=dtype, scale=0.2), rand(t, n, gen=gen, dtype=dtype)
+    a, dw = norm_params(n, True, gen)
+    pa, pw = norm_params(n, False, gen) if post else (None, None)
+    got = on_dev(linear_dyht_add_triton, x, w, res, a, dw, pa, pw)
+    want = linear_dyht_add_ref(x, w, res, a, dw, pa, pw)
+    for g, r in zip(got, want):
+        close(g, r, dtype)
+    hidden = (w.float() @ x.float().T).T.to(dtype).float()
+    if post:
+        hidden = pw * (pa * hidden).clamp(-1, 1)
+    close(want[0], (hidden + res.float()).to(dtype), dtype)           # the reference by hand
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3)])
+def test_linear_reglu(t, k, i, dtype):
+    gen = torch.Generator().manual_seed(t + i)
+    x, w = rand(t, k, gen=gen, dtype=dtype), rand(2 * i, k, gen=gen, dtype=dtype, scale=0.2)
+    got = on_dev(linear_reglu_triton, x, w)
+    close(got, linear_reglu_ref(x, w), dtype)
+    y = (x.float() @ w.float().T).to(dtype).float()
+    close(linear_reglu_ref(x, w), (y[:, :i].relu() * y[:, i:]).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t,hq,hkv,d,per_channel", [(1, 4, 2, 32, True), (9, 3, 1, 16, False),
+                                                     (16, 2, 2, 64, True)])
+def test_linear_qk_norm_rope(t, hq, hkv, d, per_channel, dtype):
+    gen = torch.Generator().manual_seed(t * hq + d)
+    k = 96
+    x, w = rand(t, k, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype, scale=0.3)
+    pos = torch.randint(0, 3000, (t,), generator=gen)
+    cache = rope_cos_sin_cache(d, 4096, 10000.0)
+    norms = (*norm_params(d, per_channel, gen), *norm_params(d, per_channel, gen))
+    got = on_dev(linear_qk_norm_rope_triton, x, w, pos, hq, hkv, *norms, cache)
+    want = linear_qk_norm_rope_ref(x, w, pos, hq, hkv, *norms, cache)
+    for g, r in zip(got, want):
+        close(g, r.contiguous(), dtype)
+    v = (x.float() @ w.float().T).to(dtype)[:, (hq + hkv) * d:]
+    close(want[2].reshape(t, -1), v, dtype)
+
+
+def test_bad_inputs_are_named():
+    x, w = torch.randn(SMALL_M + 1, 32), torch.randn(16, 32)
+    with pytest.raises(ValueError, match="T <= 16"):
+        linear_reglu_triton(x, w)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        linear_reglu_triton(x[:2], torch.randn(16, 31))
+    with pytest.raises(ValueError, match="residual"):
+        linear_dyht_add_triton(x[:2], w, torch.randn(3, 16), torch.ones(1), torch.ones(1))
+    cache = rope_cos_sin_cache(16, 8)
+    with pytest.raises(ValueError, match="rows, the heads want"):
+        linear_qk_norm_rope_triton(x[:1], w, torch.zeros(1, dtype=torch.long), 1, 1, *[torch.ones(1)] * 4,
+                                   cache)
+
+
+def test_dispatch_off_gpu_is_the_reference():
+    gen = torch.Generator().manual_seed(0)
+    x, w, res = torch.randn(3, 32, generator=gen), torch.randn(48, 32, generator=gen), torch.randn(3, 48)
+    a, dw = norm_params(48, True, gen)
+    for got, want in zip(linear_dyht_add(x, w, res, a, dw), linear_dyht_add_ref(x, w, res, a, dw)):
+        assert torch.equal(got, want)
+    assert torch.equal(linear_reglu(x, w), linear_reglu_ref(x, w))
+    cache, pos = rope_cos_sin_cache(16, 8), torch.arange(3)
+    args = (x, w[:48], pos, 1, 1, torch.ones(1), torch.ones(1), torch.ones(1), torch.ones(1), cache)
+    for got, want in zip(linear_qk_norm_rope(*args), linear_qk_norm_rope_ref(*args)):
+        assert torch.equal(got, want)
