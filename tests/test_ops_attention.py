@@ -258,6 +258,13 @@ def test_prefill_refuses_a_pool_wider_than_its_tiles():
                      block_n=16)
 
 
+def test_prefill_plan_takes_the_wide_tile_for_a_wide_pool():
+    """A short prompt plans 32-key tiles with key splits; a 40-key pool needs the 64-key tile."""
+    from asynct.ops.asynci_prefill import PREFILL_CONFIGS, plan_prefill
+    assert plan_prefill(1, 150, 150, 2, 1)[0].block_n < 39 < PREFILL_CONFIGS[0].block_n
+    assert prefill_case(asynci_prefill_triton, [150], [0], 2, 2, 16, 16, 40, True, device=DEV) < 1e-5
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,splits", [
     (2, 2, 16, 4, 3, True, [40, 1, 20], [0, 9, 45], 3),     # halos inside and across chunks
     (4, 2, 16, 16, 4, False, [70], [0], 2),
@@ -273,16 +280,16 @@ def test_prefill_split_keys_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx,
 
 
 def test_prefill_plan_uses_only_the_fixed_configs():
-    """Short prompts get the small tile and key splits, long ones the big tile
+    """Short prompts get the split config and key splits, long ones the whole-key config
     unsplit; every plan is one of PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""
     from asynct.ops.asynci_prefill import (MAX_SPLITS, PREFILL_CONFIGS, plan_prefill,
                                            prefill_variants)
-    big, small = PREFILL_CONFIGS
-    assert plan_prefill(1, 8192, 8192, 4, 2) == (big, 1)
+    whole, split = PREFILL_CONFIGS
+    assert plan_prefill(1, 8192, 8192, 4, 2) == (whole, 1)
     cfg, splits = plan_prefill(1, 512, 512, 4, 2)
-    assert cfg == small and splits > 1
-    assert plan_prefill(1, 16, 16, 4, 2) == (small, 1)      # too few keys to split
-    assert plan_prefill(1, 64, 4064, 4, 2) == (small, MAX_SPLITS)   # short chunk, long prefix
+    assert cfg == split and splits > 1
+    assert plan_prefill(1, 16, 16, 4, 2) == (whole, 1)      # too few keys to split
+    assert plan_prefill(1, 64, 4064, 4, 2) == (split, MAX_SPLITS)   # short chunk, long prefix
     warmed = prefill_variants()     # what the engine's warm-up compiles
     for b in (1, 2, 5, 64):
         for n in (1, 17, 300, 2048, 40000):

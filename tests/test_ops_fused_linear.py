@@ -33,7 +33,8 @@ def norm_params(n, per_channel, gen):
     return torch.rand(c, generator=gen) * 3 + 0.2, torch.randn(c, generator=gen)
 
 
-CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33)]    # (rows, K, N)
+# (rows, K, N); K of 1,024 takes 512-wide K tiles
+CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -55,7 +56,7 @@ def test_linear_dyht_add(t, k, n, post, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3)])
+@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12)])
 def test_linear_reglu(t, k, i, dtype):
     gen = torch.Generator().manual_seed(t + i)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand(2 * i, k, gen=gen, dtype=dtype, scale=0.2)
@@ -66,11 +67,10 @@ def test_linear_reglu(t, k, i, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t,hq,hkv,d,per_channel", [(1, 4, 2, 32, True), (9, 3, 1, 16, False),
-                                                     (16, 2, 2, 64, True)])
-def test_linear_qk_norm_rope(t, hq, hkv, d, per_channel, dtype):
+@pytest.mark.parametrize("t,hq,hkv,d,k,per_channel", [(1, 4, 2, 32, 96, True), (9, 3, 1, 16, 96, False),
+                                                       (16, 2, 2, 64, 96, True), (2, 1, 1, 16, 1024, True)])
+def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     gen = torch.Generator().manual_seed(t * hq + d)
-    k = 96
     x, w = rand(t, k, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype, scale=0.3)
     pos = torch.randint(0, 3000, (t,), generator=gen)
     cache = rope_cos_sin_cache(d, 4096, 10000.0)
@@ -81,6 +81,35 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, per_channel, dtype):
         close(g, r.contiguous(), dtype)
     v = (x.float() @ w.float().T).to(dtype)[:, (hq + hkv) * d:]
     close(want[2].reshape(t, -1), v, dtype)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("t", [1, 3, 16])
+def test_bench_shapes_deterministic(t):
+    """bench-0.6b's four projections: equal to the unfused ops, and bit-identical from call to
+    call (the async-vs-sync and graph-vs-eager equality tests rely on it)."""
+    gen = torch.Generator("cuda").manual_seed(t)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    x, x3, res = r(t, 1024), r(t, 3072), r(t, 1024)
+    one = torch.ones(1, device="cuda")
+    pos, cache = torch.arange(t, device="cuda") + 100, rope_cos_sin_cache(128, 512, 1e6, "cuda")
+    calls = [(linear_qk_norm_rope_triton, linear_qk_norm_rope_ref,
+              (x, r(2048, 1024, scale=0.03), pos, 8, 4, one, one, one, one, cache)),
+             (linear_dyht_add_triton, linear_dyht_add_ref, (x, r(1024, 1024, scale=0.03), res, one, one, one, one)),
+             (linear_reglu_triton, linear_reglu_ref, (x, r(6144, 1024, scale=0.03))),
+             (linear_dyht_add_triton, linear_dyht_add_ref, (x3, r(1024, 3072, scale=0.03), res, one, one))]
+    for fused, ref, args in calls:
+        first = _tuple(fused(*args))
+        for _ in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(first, _tuple(fused(*args))))
+        for a, b in zip(first, _tuple(ref(*args))):
+            close(a.cpu(), b.contiguous().cpu(), torch.bfloat16)
+
+
+def _tuple(x):
+    return x if isinstance(x, tuple) else (x,)
 
 
 def test_bad_inputs_are_named():

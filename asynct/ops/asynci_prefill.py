@@ -188,28 +188,31 @@ PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stage
 
 # The only tile configs the launch plan picks: each compiles twice per model (S == 1 writes
 # `out`, S > 1 fp32 partials), so a warm-up must run every config with splits=1 and splits=2.
-# Long prompts keep the big tile; short ones take the small tile, then split keys.
-PREFILL_CONFIGS = (PrefillConfig(128, 64, 8, 2), PrefillConfig(64, 64, 4, 2))
+# Enough query tiles: the 64-key tile, unsplit; too few: 32-key tiles over key splits (H200,
+# benchmarks/RESULTS.md: at 2K tokens 0.96 of SDPA flash against 0.83 for 64-key tiles split
+# alike; unsplit, 32-key tiles lose, 0.76-0.80). A 128-query tile lost on every shape.
+PREFILL_CONFIGS = (PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 32, 4, 2))
 MAX_SPLITS = 8
 MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one tile
 
 
 def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132):
     """(config, splits) for a step, from host ints only (a plan never compiles anything the
-    warm-up did not): the first config of PREFILL_CONFIGS with two programs per SM, else the
-    last one with enough key splits that the longest program (all keys) takes no longer than
-    the average program's share of an SM, causal triangle and cached prefix counted."""
+    warm-up did not): the whole-key config when the query tiles give two programs per SM, else
+    the split config with enough key splits that the longest program (all keys) takes no longer
+    than the average program's share of an SM, causal triangle and cached prefix counted."""
+    whole, split = PREFILL_CONFIGS
     g_pad = triton.next_power_of_2(group)
     n_keys = max(max_seq_len or 0, max_query_len)
-    for cfg in PREFILL_CONFIGS:
-        q_tiles = triton.cdiv(max_query_len, _block_m(cfg.block_m, g_pad) // g_pad)
-        programs = batch * num_kv_heads * q_tiles
-        if programs >= 2 * sms:
-            return cfg, 1
+    q_tiles = triton.cdiv(max_query_len, _block_m(whole.block_m, g_pad) // g_pad)
+    programs = batch * num_kv_heads * q_tiles
+    if programs >= 2 * sms:
+        return whole, 1
     mean_keys = n_keys - max_query_len / 2       # a query tile sees its prefix + half the chunk
     want = math.ceil(sms * n_keys / (programs * mean_keys))
-    by_len = max(1, n_keys // (MIN_SPLIT_TILES * cfg.block_n))
-    return cfg, max(1, min(want, by_len, MAX_SPLITS))
+    by_len = max(1, n_keys // (MIN_SPLIT_TILES * split.block_n))
+    splits = max(1, min(want, by_len, MAX_SPLITS))
+    return (split, splits) if splits > 1 else (whole, 1)
 
 
 def _block_m(block_m, g_pad):
@@ -232,6 +235,8 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     g_pad = triton.next_power_of_2(g)
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms)
+    if pool_size - 1 > cfg.block_n:   # a wide pool needs the wide key tile (also compiled split)
+        cfg = PREFILL_CONFIGS[0]
     splits = splits or (plan_splits if block_m is None else 1)
     block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
     if pool_size - 1 > block_n:   # the band products reach back one key tile only

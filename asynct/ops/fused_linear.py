@@ -148,12 +148,18 @@ def _check(x, weight):
                          f"{tuple(weight.shape)} {weight.dtype}")
 
 
-def _tiles(x, k):
-    """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION) and the launch options for a K-wide stream."""
-    block_k = max(16, min(256, triton.next_power_of_2(k)))
+def _tiles(x, k, tiles):
+    """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION) and the launch options for `tiles` programs over a
+    K-wide stream. Fewer programs than SMs (a 1,024-column projection: 64) each keep more bytes
+    in flight (H200, benchmarks/small_batch.py --sweep: o_proj 4.1 -> 3.9 us, down 7.5 -> 6.7).
+    Splitting K over more programs instead, summed in a workspace, cost more than it gained
+    (o_proj 5.8 us, down 7.9 us: benchmarks/RESULTS.md)."""
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    block_k = 512 if tiles < sms and k >= 1024 else 256
+    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
-                num_warps=4, num_stages=4)
+                num_warps=4, num_stages=3 if block_k == 512 else 4)
 
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
@@ -170,10 +176,10 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     kk, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
     strides = [_param_stride(p, d, n) for p, n in ((q_alpha, "q_alpha"), (q_weight, "q_weight"),
                                                     (k_alpha, "k_alpha"), (k_weight, "k_weight"))]
-    grid = ((num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE),)
-    _qkv_rope_kernel[grid](x, x.stride(0), weight, q, kk, v, positions, cos_sin_cache, t, k, num_heads,
-                           num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, HALF=d // 2,
-                           HB=HALF_TILE, **_tiles(x, k))
+    tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
+    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, kk, v, positions, cos_sin_cache, t, k, num_heads,
+                               num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, HALF=d // 2,
+                               HB=HALF_TILE, **_tiles(x, k, tiles))
     return q, kk, v
 
 
@@ -183,8 +189,9 @@ def linear_reglu_triton(x, weight):
         raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
     (t, k), i = x.shape, weight.shape[0] // 2
     out = torch.empty(t, i, dtype=x.dtype, device=x.device)
-    _gate_up_reglu_kernel[(triton.cdiv(i, HALF_TILE),)](x, x.stride(0), weight, out, t, k, i,
-                                                        HB=HALF_TILE, **_tiles(x, k))
+    tiles = triton.cdiv(i, HALF_TILE)
+    _gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=HALF_TILE,
+                                    **_tiles(x, k, tiles))
     return out
 
 
@@ -200,9 +207,10 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
     pa, pw = (post_alpha, post_weight) if has_post else (alpha, dyht_weight)
     strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
-    _linear_dyht_add_kernel[(triton.cdiv(n, 2 * HALF_TILE),)](
+    tiles = triton.cdiv(n, 2 * HALF_TILE)
+    _linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
-        *strides, HAS_POST=has_post, BLOCK_N=2 * HALF_TILE, **_tiles(x, k))
+        *strides, HAS_POST=has_post, BLOCK_N=2 * HALF_TILE, **_tiles(x, k, tiles))
     return hidden, normed
 
 
