@@ -39,12 +39,14 @@ def unfused():
 
 
 @contextlib.contextmanager
-def tiles(block_k, stages, warps):
+def tiles(**changes):
+    """Overrides of the fused kernels' launch options (the sweep's configs)."""
     orig = fl._tiles
 
     def patched(x, k, n):
         t = orig(x, k, n)
-        t.update(BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_stages=stages, num_warps=warps)
+        t.update(changes)
+        t["EVEN_K"] = k % t["BLOCK_K"] == 0
         return t
     fl._tiles = patched
     try:
@@ -83,20 +85,20 @@ def ops_table(copy_bw, sweep):
             with unfused():
                 t_u, _ = time_op(fn, shape, m)
             t_f, bw = time_op(fn, shape, m)
-            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | {bw / copy_bw:.2f} | "
-                  f"{t_u / t_f:.2f}", flush=True)
-            for cfg in (configs if m == 1 else []):
-                with tiles(*cfg):
+            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | "
+                  f"{bw / copy_bw:.2f} | {t_u / t_f:.2f}", flush=True)
+            for bk, st, w in (configs if m == 1 else []):
+                with tiles(BLOCK_K=bk, num_stages=st, num_warps=w):
                     try:
                         t_c, bw_c = time_op(fn, shape, m)
                     except Exception as e:      # a config that does not fit is a result too
-                        print(f"  bk{cfg[0]} st{cfg[1]} w{cfg[2]}: {type(e).__name__}")
+                        print(f"  bk{bk} st{st} w{w}: {type(e).__name__}")
                         continue
-                print(f"  bk{cfg[0]} st{cfg[1]} w{cfg[2]} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
+                print(f"  bk{bk} st{st} w{w} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
 
 
-def engine_steps(model, fused: bool, batches, context):
-    with contextlib.nullcontext() if fused else unfused():
+def engine_steps(model, mode, batches, context):
+    with mode():
         llm = LLM(model, max_num_seqs=max(batches), gpu_memory_utilization=0.3,
                   cudagraph_mode="full_decode_only")
         eng, out = llm.llm_engine, {}
@@ -118,16 +120,18 @@ def engine_steps(model, fused: bool, batches, context):
 
 def steps_table(model, copy_bw, context=384):
     batches = (1, 8, 16, 32)
-    fused, weights = engine_steps(model, True, batches, context)
-    plain, _ = engine_steps(model, False, batches, context)
-    print(f"\ndecode step, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
+    modes = {"unfused": unfused, "fused": contextlib.nullcontext}
+    ms = {}
+    for name, mode in modes.items():
+        ms[name], weights = engine_steps(model, mode, batches, context)
+    print(f"\ndecode step ms, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
           f" + KV) / copy BW")
-    print("batch | unfused ms | fused ms | unfused / fused | roofline ms | fused / roofline")
+    print("batch | " + " | ".join(modes) + " | unfused / fused | roofline | fused / roofline")
     for b in batches:
-        kv = b * context * 2 * 35 * HKV * D * 2
-        roof = (weights + kv) / (copy_bw * 1e12)
-        print(f"{b} | {plain[b] * 1e3:.3f} | {fused[b] * 1e3:.3f} | {plain[b] / fused[b]:.2f} | "
-              f"{roof * 1e3:.3f} | {fused[b] / roof:.2f}", flush=True)
+        roof = (weights + b * context * 2 * 35 * HKV * D * 2) / (copy_bw * 1e12)
+        print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) +
+              f" | {ms['unfused'][b] / ms['fused'][b]:.2f} | {roof * 1e3:.3f} | {ms['fused'][b] / roof:.2f}",
+              flush=True)
 
 
 def main():
