@@ -5,7 +5,7 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
 
 1. Each layer op at 1, 8 and 16 rows, graph-timed over enough distinct weight copies that every
    replay reads HBM (as 35 layers do), with the bandwidth its weights achieve. --sweep adds tile
-   configs (BLOCK_K, stages, warps).
+   configs at one row (BLOCK_K, stages, warps, weight rows per program).
 2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16 and 32, context 384, for an engine with
    the fused linears and one without, against the step's roofline: weights + KV read once at the
    copy bandwidth."""
@@ -39,20 +39,26 @@ def unfused():
 
 
 @contextlib.contextmanager
-def tiles(**changes):
-    """Overrides of the fused kernels' launch options (the sweep's configs)."""
-    orig = fl._tiles
+def tiles(half_tile=None, **changes):
+    """Overrides of the fused kernels' launch options and rows per tile (the sweep's configs)."""
+    orig, orig_half = fl._tiles, fl.HALF_TILE
 
     def patched(x, k, n):
         t = orig(x, k, n)
         t.update(changes)
         t["EVEN_K"] = k % t["BLOCK_K"] == 0
         return t
-    fl._tiles = patched
+    fl._tiles, fl.HALF_TILE = patched, half_tile or orig_half
     try:
         yield
     finally:
-        fl._tiles = orig
+        fl._tiles, fl.HALF_TILE = orig, orig_half
+
+
+# (BLOCK_K, stages, warps, rows per tile / 2) at one row; the engine's choice is the first two
+SWEEP = [(256, 4, 4, 8), (512, 3, 4, 8), (256, 4, 2, 8), (512, 3, 2, 8), (1024, 2, 4, 8),
+         (1024, 3, 4, 8), (128, 6, 4, 8), (256, 6, 4, 8), (512, 4, 4, 8), (256, 4, 4, 16),
+         (512, 3, 4, 16), (1024, 2, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16)]
 
 
 def op_cases(m):
@@ -79,7 +85,7 @@ def time_op(fn, shape, m):
 
 def ops_table(copy_bw, sweep):
     print("\nop | rows | unfused us | fused us | fused TB/s | of copy BW | unfused / fused")
-    configs = [(bk, st, w) for bk in (128, 256, 512) for st in (3, 5) for w in (4, 8)] if sweep else []
+    configs = SWEEP if sweep else []
     for m in (1, 8, 16):
         for name, shape, fn in op_cases(m):
             with unfused():
@@ -87,14 +93,14 @@ def ops_table(copy_bw, sweep):
             t_f, bw = time_op(fn, shape, m)
             print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | "
                   f"{bw / copy_bw:.2f} | {t_u / t_f:.2f}", flush=True)
-            for bk, st, w in (configs if m == 1 else []):
-                with tiles(BLOCK_K=bk, num_stages=st, num_warps=w):
+            for bk, st, w, hb in (configs if m == 1 else []):
+                with tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w):
                     try:
                         t_c, bw_c = time_op(fn, shape, m)
                     except Exception as e:      # a config that does not fit is a result too
-                        print(f"  bk{bk} st{st} w{w}: {type(e).__name__}")
+                        print(f"  bk{bk} st{st} w{w} rows{2 * hb}: {type(e).__name__}")
                         continue
-                print(f"  bk{bk} st{st} w{w} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
+                print(f"  bk{bk} st{st} w{w} rows{2 * hb} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
 
 
 def engine_steps(model, mode, batches, context):

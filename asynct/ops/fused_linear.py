@@ -151,7 +151,8 @@ def _check(x, weight):
 def _tiles(x, k, tiles):
     """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION) and the launch options for `tiles` programs over a
     K-wide stream. Fewer programs than SMs (a 1,024-column projection: 64) each keep more bytes
-    in flight (H200, benchmarks/small_batch.py --sweep: o_proj 4.1 -> 3.9 us, down 7.5 -> 6.7).
+    in flight (H200, benchmarks/small_batch.py --sweep: o_proj 4.1 -> 3.9 us, down 7.5 -> 6.7);
+    more tiles than SMs (gate/up: 384) run best as 2-warp programs (7.0 -> 6.2 us).
     Splitting K over more programs instead, summed in a workspace, cost more than it gained
     (o_proj 5.8 us, down 7.9 us: benchmarks/RESULTS.md)."""
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
@@ -159,7 +160,7 @@ def _tiles(x, k, tiles):
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
-                num_warps=4, num_stages=3 if block_k == 512 else 4)
+                num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4)
 
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
