@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops.asynci_decode import _sm_count
 from asynct.ops.dyht import _param_stride, dyht_add
 from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
@@ -155,7 +156,7 @@ def _tiles(x, k, tiles):
     more tiles than SMs (gate/up: 384) run best as 2-warp programs (7.0 -> 6.2 us).
     Splitting K over more programs instead, summed in a workspace, cost more than it gained
     (o_proj 5.8 us, down 7.9 us: benchmarks/RESULTS.md)."""
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 132
+    sms = _sm_count(x.device.index or 0) if x.is_cuda else 132
     block_k = 512 if tiles < sms and k >= 1024 else 256
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
