@@ -137,3 +137,33 @@ def test_dispatch_off_gpu_is_the_reference():
     args = (x, w[:48], pos, 1, 1, torch.ones(1), torch.ones(1), torch.ones(1), torch.ones(1), cache)
     for got, want in zip(linear_qk_norm_rope(*args), linear_qk_norm_rope_ref(*args)):
         assert torch.equal(got, want)
+
+
+def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, monkeypatch):
+    """The model's plumbing around the fused kernels (views, residual stream, the next layer's
+    norm), every step at most 16 tokens so every step takes them (interpreted on CPU): greedy
+    tokens and logprobs equal the reference model's."""
+    from transformers import AutoModelForCausalLM
+
+    from asynct import LLM, SamplingParams
+    from asynct.ops import fused_linear
+    calls = []
+
+    def fast(x, weight):
+        calls.append(x.shape[0])
+        return x.dim() == 2 and 0 < x.shape[0] <= SMALL_M and weight.dtype == x.dtype
+    monkeypatch.setattr(fused_linear, "_fast", fast)
+    llm = LLM(tiny_ckpt, max_num_batched_tokens=16, max_num_seqs=4, enforce_eager=True)
+    prompts = [[5], [7, 99, 3, 41, 250], list(range(30, 53)), [200] * 17]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert calls and max(calls) <= SMALL_M
+    reference = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    for p, o in zip(prompts, outs):
+        full = p + o.outputs[0].token_ids
+        with torch.no_grad():
+            ref = reference(torch.tensor([full])).logits[0].log_softmax(-1)
+        assert full[len(p):] == [int(ref[i].argmax()) for i in range(len(p) - 1, len(full) - 1)]
+        for pos in range(1, len(full)):
+            entry = o.prompt_logprobs[pos] if pos < len(p) else o.outputs[0].logprobs[pos - len(p)]
+            assert abs(entry[full[pos]].logprob - ref[pos - 1, full[pos]].item()) < 1e-4
