@@ -55,7 +55,8 @@ def tiles(half_tile=None, **changes):
         fl._tiles, fl.HALF_TILE = orig, orig_half
 
 
-# (BLOCK_K, stages, warps, rows per tile / 2) at one row; the engine's choice is the first two
+# (BLOCK_K, stages, warps, rows per tile / 2) at one row; the engine takes the first (QKV), the
+# second (o_proj, down) and the third (gate/up)
 SWEEP = [(256, 4, 4, 8), (512, 3, 4, 8), (256, 4, 2, 8), (512, 3, 2, 8), (1024, 2, 4, 8),
          (1024, 3, 4, 8), (128, 6, 4, 8), (256, 6, 4, 8), (512, 4, 4, 8), (256, 4, 4, 16),
          (512, 3, 4, 16), (1024, 2, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16)]
@@ -118,10 +119,11 @@ def engine_steps(model, mode, batches, context):
                 eng.step()
     weights = sum(p.numel() * p.element_size() for n, p in eng.runner.model.named_parameters()
                   if "embed_tokens" not in n or eng.runner.model.lm_head is None)
+    kv_per_token = eng.runner.block_bytes // eng.runner.block_size
     del llm, eng
     gc.collect()
     torch.cuda.empty_cache()
-    return out, weights
+    return out, weights, kv_per_token
 
 
 def steps_table(model, copy_bw, context=384):
@@ -129,12 +131,12 @@ def steps_table(model, copy_bw, context=384):
     modes = {"unfused": unfused, "fused": contextlib.nullcontext}
     ms = {}
     for name, mode in modes.items():
-        ms[name], weights = engine_steps(model, mode, batches, context)
+        ms[name], weights, kv_per_token = engine_steps(model, mode, batches, context)
     print(f"\ndecode step ms, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
           f" + KV) / copy BW")
     print("batch | " + " | ".join(modes) + " | unfused / fused | roofline | fused / roofline")
     for b in batches:
-        roof = (weights + b * context * 2 * 35 * HKV * D * 2) / (copy_bw * 1e12)
+        roof = (weights + b * context * kv_per_token) / (copy_bw * 1e12)
         print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) +
               f" | {ms['unfused'][b] / ms['fused'][b]:.2f} | {roof * 1e3:.3f} | {ms['fused'][b] / roof:.2f}",
               flush=True)

@@ -259,10 +259,19 @@ def test_prefill_refuses_a_pool_wider_than_its_tiles():
 
 
 def test_prefill_plan_takes_the_wide_tile_for_a_wide_pool():
-    """A short prompt plans 32-key tiles with key splits; a 40-key pool needs the 64-key tile."""
-    from asynct.ops.asynci_prefill import PREFILL_CONFIGS, plan_prefill
-    assert plan_prefill(1, 150, 150, 2, 1)[0].block_n < 39 < PREFILL_CONFIGS[0].block_n
+    """A short prompt plans 32-key tiles with key splits; a 40-key pool needs the 64-key tile,
+    split, and the warm-up runs (so compiles) that variant."""
+    from asynct.ops.asynci_prefill import PREFILL_CONFIGS, plan_prefill, warmup_prefill
+    assert plan_prefill(1, 600, 600, 2, 1)[0].block_n < 39
+    cfg, splits = plan_prefill(1, 600, 600, 2, 1, pool_size=40)
+    assert cfg == PREFILL_CONFIGS[0] and splits > 1
     assert prefill_case(asynci_prefill_triton, [150], [0], 2, 2, 16, 16, 40, True, device=DEV) < 1e-5
+    q = torch.zeros(20, 2, 16, device=DEV)
+    cache = torch.zeros(2, 4, 16, 2, 16, device=DEV)
+    loc = torch.tensor([0, 20], dtype=torch.int32, device=DEV)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEV)
+    warmup_prefill(q, cache, torch.arange(4, dtype=torch.int32, device=DEV)[None], loc, lens,
+                   torch.ones(2, device=DEV), 0.25, 40, True, torch.empty_like(q), 20, 20)
 
 
 @pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,splits", [
@@ -290,12 +299,15 @@ def test_prefill_plan_uses_only_the_fixed_configs():
     assert cfg == split and splits > 1
     assert plan_prefill(1, 16, 16, 4, 2) == (whole, 1)      # too few keys to split
     assert plan_prefill(1, 64, 4064, 4, 2) == (split, MAX_SPLITS)   # short chunk, long prefix
-    warmed = prefill_variants()     # what the engine's warm-up compiles
-    for b in (1, 2, 5, 64):
-        for n in (1, 17, 300, 2048, 40000):
-            for hkv, g in ((1, 1), (4, 2), (2, 6), (8, 16)):
-                cfg, splits = plan_prefill(b, n, n + 100, hkv, g)
-                assert (cfg, min(splits, 2)) in warmed and 1 <= splits <= MAX_SPLITS
+    for pool in (1, 3, 33, 34, 65):
+        warmed = prefill_variants(pool)     # what the engine's warm-up compiles
+        assert all(c.block_n >= pool - 1 for c, _ in warmed)    # each runs with this pool
+        for b in (1, 2, 5, 64):
+            for n in (1, 17, 300, 2048, 40000):
+                for hkv, g in ((1, 1), (4, 2), (2, 6), (8, 16)):
+                    cfg, splits = plan_prefill(b, n, n + 100, hkv, g, pool_size=pool)
+                    assert (cfg, min(splits, 2)) in warmed and 1 <= splits <= MAX_SPLITS
+                    assert cfg.block_n >= pool - 1
 
 
 def test_kernels_read_a_block_major_cache_in_place():

@@ -4,13 +4,14 @@ import pytest
 import torch
 from test_ops_attention import _interpreter_scalars  # noqa: F401  (autouse: loop bounds, bf16)
 
-from asynct.ops import (SMALL_M, linear_dyht_add, linear_dyht_add_ref, linear_dyht_add_triton,
-                        linear_qk_norm_rope, linear_qk_norm_rope_ref, linear_qk_norm_rope_triton,
-                        linear_reglu, linear_reglu_ref, linear_reglu_triton, rope_cos_sin_cache)
+from asynct.ops import (SMALL_M, linear_dyht_add, linear_dyht_add_unfused, linear_dyht_add_triton,
+                        linear_qk_norm_rope, linear_qk_norm_rope_unfused, linear_qk_norm_rope_triton,
+                        linear_reglu, linear_reglu_unfused, linear_reglu_triton, rope_cos_sin_cache)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def on_dev(fn, *args, **kwargs):
@@ -37,16 +38,17 @@ def norm_params(n, per_channel, gen):
 CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,k,n", CASES)
 @pytest.mark.parametrize("post", [False, True])
 def test_linear_dyht_add(t, k, n, post, dtype):
     gen = torch.Generator().manual_seed(t * 100 + n)
-    x, w, res = rand(t, k, gen=gen, dtype=dtype), rand(n, k, gen=gen, dtype=dtype, scale=0.2), rand(t, n, gen=gen, dtype=dtype)
+    x = rand(t, k + 3, gen=gen, dtype=dtype)[:, 1:k + 1]       # rows strided as a view's are
+    w, res = rand(n, k, gen=gen, dtype=dtype, scale=0.2), rand(t, n, gen=gen, dtype=dtype)
     a, dw = norm_params(n, True, gen)
     pa, pw = norm_params(n, False, gen) if post else (None, None)
     got = on_dev(linear_dyht_add_triton, x, w, res, a, dw, pa, pw)
-    want = linear_dyht_add_ref(x, w, res, a, dw, pa, pw)
+    want = linear_dyht_add_unfused(x, w, res, a, dw, pa, pw)
     for g, r in zip(got, want):
         close(g, r, dtype)
     hidden = (w.float() @ x.float().T).T.to(dtype).float()
@@ -55,20 +57,21 @@ def test_linear_dyht_add(t, k, n, post, dtype):
     close(want[0], (hidden + res.float()).to(dtype), dtype)           # the reference by hand
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12)])
 def test_linear_reglu(t, k, i, dtype):
     gen = torch.Generator().manual_seed(t + i)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand(2 * i, k, gen=gen, dtype=dtype, scale=0.2)
     got = on_dev(linear_reglu_triton, x, w)
-    close(got, linear_reglu_ref(x, w), dtype)
+    close(got, linear_reglu_unfused(x, w), dtype)
     y = (x.float() @ w.float().T).to(dtype).float()
-    close(linear_reglu_ref(x, w), (y[:, :i].relu() * y[:, i:]).to(dtype), dtype)
+    close(linear_reglu_unfused(x, w), (y[:, :i].relu() * y[:, i:]).to(dtype), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,hq,hkv,d,k,per_channel", [(1, 4, 2, 32, 96, True), (9, 3, 1, 16, 96, False),
-                                                       (16, 2, 2, 64, 96, True), (2, 1, 1, 16, 1024, True)])
+                                                       (16, 2, 2, 64, 96, True), (2, 1, 1, 16, 1024, True),
+                                                       (3, 2, 1, 128, 64, True)])
 def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     gen = torch.Generator().manual_seed(t * hq + d)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype, scale=0.3)
@@ -76,7 +79,7 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     cache = rope_cos_sin_cache(d, 4096, 10000.0)
     norms = (*norm_params(d, per_channel, gen), *norm_params(d, per_channel, gen))
     got = on_dev(linear_qk_norm_rope_triton, x, w, pos, hq, hkv, *norms, cache)
-    want = linear_qk_norm_rope_ref(x, w, pos, hq, hkv, *norms, cache)
+    want = linear_qk_norm_rope_unfused(x, w, pos, hq, hkv, *norms, cache)
     for g, r in zip(got, want):
         close(g, r.contiguous(), dtype)
     v = (x.float() @ w.float().T).to(dtype)[:, (hq + hkv) * d:]
@@ -95,11 +98,11 @@ def test_bench_shapes_deterministic(t):
     x, x3, res = r(t, 1024), r(t, 3072), r(t, 1024)
     one = torch.ones(1, device="cuda")
     pos, cache = torch.arange(t, device="cuda") + 100, rope_cos_sin_cache(128, 512, 1e6, "cuda")
-    calls = [(linear_qk_norm_rope_triton, linear_qk_norm_rope_ref,
+    calls = [(linear_qk_norm_rope_triton, linear_qk_norm_rope_unfused,
               (x, r(2048, 1024, scale=0.03), pos, 8, 4, one, one, one, one, cache)),
-             (linear_dyht_add_triton, linear_dyht_add_ref, (x, r(1024, 1024, scale=0.03), res, one, one, one, one)),
-             (linear_reglu_triton, linear_reglu_ref, (x, r(6144, 1024, scale=0.03))),
-             (linear_dyht_add_triton, linear_dyht_add_ref, (x3, r(1024, 3072, scale=0.03), res, one, one))]
+             (linear_dyht_add_triton, linear_dyht_add_unfused, (x, r(1024, 1024, scale=0.03), res, one, one, one, one)),
+             (linear_reglu_triton, linear_reglu_unfused, (x, r(6144, 1024, scale=0.03))),
+             (linear_dyht_add_triton, linear_dyht_add_unfused, (x3, r(1024, 3072, scale=0.03), res, one, one))]
     for fused, ref, args in calls:
         first = _tuple(fused(*args))
         for _ in range(3):
@@ -114,28 +117,49 @@ def _tuple(x):
 
 def test_bad_inputs_are_named():
     x, w = torch.randn(SMALL_M + 1, 32), torch.randn(16, 32)
+    one, pos = torch.ones(1), torch.zeros(1, dtype=torch.long)
     with pytest.raises(ValueError, match="T <= 16"):
         linear_reglu_triton(x, w)
     with pytest.raises(ValueError, match="weight must be contiguous"):
         linear_reglu_triton(x[:2], torch.randn(16, 31))
+    with pytest.raises(ValueError, match="even row count"):
+        linear_reglu_triton(x[:2], torch.randn(15, 32))
     with pytest.raises(ValueError, match="residual"):
-        linear_dyht_add_triton(x[:2], w, torch.randn(3, 16), torch.ones(1), torch.ones(1))
-    cache = rope_cos_sin_cache(16, 8)
+        linear_dyht_add_triton(x[:2], w, torch.randn(3, 16), one, one)
+    with pytest.raises(ValueError, match="go together"):
+        linear_dyht_add_triton(x[:2], w, torch.randn(2, 16), one, one, one, None)
     with pytest.raises(ValueError, match="rows, the heads want"):
-        linear_qk_norm_rope_triton(x[:1], w, torch.zeros(1, dtype=torch.long), 1, 1, *[torch.ones(1)] * 4,
-                                   cache)
+        linear_qk_norm_rope_triton(x[:1], w, pos, 1, 1, one, one, one, one, rope_cos_sin_cache(16, 8))
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        linear_qk_norm_rope_triton(x[:1], torch.randn(24, 32), pos, 1, 1, one, one, one, one,
+                                   rope_cos_sin_cache(8, 8))
+    with pytest.raises(ValueError, match="positions must be"):
+        linear_qk_norm_rope_triton(x[:2], torch.randn(48, 32), pos, 1, 1, one, one, one, one,
+                                   rope_cos_sin_cache(16, 8))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_dispatch_takes_the_kernels_up_to_small_m():
+    x, w = torch.randn(SMALL_M + 1, 64, device="cuda"), torch.randn(32, 64, device="cuda")
+    assert torch.equal(linear_reglu(x[:SMALL_M], w), linear_reglu_triton(x[:SMALL_M], w))
+    assert torch.equal(linear_reglu(x, w), linear_reglu_unfused(x, w))
+    one, cache = torch.ones(1, device="cuda"), rope_cos_sin_cache(24, 64, device="cuda")
+    args = (x[:2], torch.randn(72, 64, device="cuda"), torch.arange(2, device="cuda"), 1, 1,
+            one, one, one, one, cache)
+    for got, want in zip(linear_qk_norm_rope(*args), linear_qk_norm_rope_unfused(*args)):
+        assert torch.equal(got, want)           # head_dim 24: not a power of two, unfused
 
 
 def test_dispatch_off_gpu_is_the_reference():
     gen = torch.Generator().manual_seed(0)
     x, w, res = torch.randn(3, 32, generator=gen), torch.randn(48, 32, generator=gen), torch.randn(3, 48)
     a, dw = norm_params(48, True, gen)
-    for got, want in zip(linear_dyht_add(x, w, res, a, dw), linear_dyht_add_ref(x, w, res, a, dw)):
+    for got, want in zip(linear_dyht_add(x, w, res, a, dw), linear_dyht_add_unfused(x, w, res, a, dw)):
         assert torch.equal(got, want)
-    assert torch.equal(linear_reglu(x, w), linear_reglu_ref(x, w))
+    assert torch.equal(linear_reglu(x, w), linear_reglu_unfused(x, w))
     cache, pos = rope_cos_sin_cache(16, 8), torch.arange(3)
     args = (x, w[:48], pos, 1, 1, torch.ones(1), torch.ones(1), torch.ones(1), torch.ones(1), cache)
-    for got, want in zip(linear_qk_norm_rope(*args), linear_qk_norm_rope_ref(*args)):
+    for got, want in zip(linear_qk_norm_rope(*args), linear_qk_norm_rope_unfused(*args)):
         assert torch.equal(got, want)
 
 

@@ -22,6 +22,10 @@ from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
 
+# the warm-up's second forward: just past the decode-sized fused linears (a cache smaller than
+# this can never hold such a step, so the warm-up stops at its size)
+WARMUP_TOKENS = ops.SMALL_M + 1
+
 
 class ModelRunner:
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
@@ -69,6 +73,7 @@ class ModelRunner:
         c = self.config
         shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
         self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.kv_dtype, device=self.device)
+        self.num_kv_blocks = num_blocks
         for i, layer in enumerate(self.model.layers):
             layer.attn.kv_cache = self.kv_cache[i]
         if capture and self.device.type == "cuda":
@@ -88,7 +93,7 @@ class ModelRunner:
         if triton is None:
             return
         with compile_only(os.cpu_count() or 4):
-            self.allocate_kv_cache(-(-(ops.SMALL_M + 1) // self.block_size), capture=False)
+            self.allocate_kv_cache(-(-WARMUP_TOKENS // self.block_size), capture=False)
             self._warmup()
         self._release_kv_cache()
 
@@ -97,7 +102,7 @@ class ModelRunner:
         """Every kernel compiles now, not in the middle of serving: a one-token forward (the
         decode-sized fused linears, KV write, prefill), one just past them (the unfused
         elementwise kernels), then the attention variants neither can reach."""
-        for n in (1, ops.SMALL_M + 1):
+        for n in (1, min(WARMUP_TOKENS, self.num_kv_blocks * self.block_size)):
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),

@@ -186,22 +186,26 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
 
 PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stages")
 
-# The only tile configs the launch plan picks: each compiles twice per model (S == 1 writes
-# `out`, S > 1 fp32 partials), so a warm-up must run every config with splits=1 and splits=2.
-# Enough query tiles: the 64-key tile, unsplit; too few: 32-key tiles over key splits (H200,
-# benchmarks/RESULTS.md: at 2K tokens 0.96 of SDPA flash against 0.83 for 64-key tiles split
-# alike; unsplit, 32-key tiles lose, 0.76-0.80). A 128-query tile lost on every shape.
+# The only tile configs the launch plan picks. Enough query tiles: the 64-key tile, unsplit; too
+# few: 32-key tiles over key splits (H200, benchmarks/RESULTS.md: at 2K tokens 0.96 of SDPA flash
+# against 0.83 for 64-key tiles split alike; unsplit, 32-key tiles lose, 0.67-0.81). A pool wider
+# than 33 keys needs the 64-key tile split too. A 128-query tile lost on every shape.
 PREFILL_CONFIGS = (PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 32, 4, 2))
 MAX_SPLITS = 8
 MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one tile
 
 
-def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132):
+def _split_config(pool_size):
+    whole, split = PREFILL_CONFIGS
+    return split if pool_size - 1 <= split.block_n else whole
+
+
+def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132, pool_size=1):
     """(config, splits) for a step, from host ints only (a plan never compiles anything the
     warm-up did not): the whole-key config when the query tiles give two programs per SM, else
     the split config with enough key splits that the longest program (all keys) takes no longer
     than the average program's share of an SM, causal triangle and cached prefix counted."""
-    whole, split = PREFILL_CONFIGS
+    whole, split = PREFILL_CONFIGS[0], _split_config(pool_size)
     g_pad = triton.next_power_of_2(group)
     n_keys = max(max_seq_len or 0, max_query_len)
     q_tiles = triton.cdiv(max_query_len, _block_m(whole.block_m, g_pad) // g_pad)
@@ -234,9 +238,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
-    cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms)
-    if pool_size - 1 > cfg.block_n:   # a wide pool needs the wide key tile (also compiled split)
-        cfg = PREFILL_CONFIGS[0]
+    cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size)
     splits = splits or (plan_splits if block_m is None else 1)
     block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
     if pool_size - 1 > block_n:   # the band products reach back one key tile only
@@ -256,10 +258,10 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     return sum_splits(dst, out, splits)
 
 
-def prefill_variants():
-    """Every compiled variant `plan_prefill` can pick: each config unsplit and split (any
-    split count > 1 shares one compile)."""
-    return [(cfg, splits) for cfg in PREFILL_CONFIGS for splits in (1, 2)]
+def prefill_variants(pool_size=1):
+    """Every compiled variant `plan_prefill` can pick for a pool: the whole-key config unsplit,
+    the split config split (any split count > 1 shares one compile)."""
+    return [(PREFILL_CONFIGS[0], 1), (_split_config(pool_size), 2)]
 
 
 def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
@@ -267,7 +269,7 @@ def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, s
     """Runs (so compiles) every prefill variant: the engine's start-up warm-up. CUDA only."""
     if not (q.is_cuda and triton is not None):
         return out
-    for cfg, splits in prefill_variants():
+    for cfg, splits in prefill_variants(pool_size):
         asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                               pool_size, relu_pre, out, max_query_len, max_seq_len,
                               **cfg._asdict(), splits=splits, k_scale=k_scale, v_scale=v_scale)

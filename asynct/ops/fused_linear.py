@@ -9,7 +9,8 @@ ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j), so t
 load the two halves as one 16-row tile and split the accumulator. The accumulator is rounded
 to the activation dtype before the epilogue, as the unfused ops receive it.
 
-Each op's reference is the unfused composition; it also serves CPUs and larger batches."""
+Each op's `*_unfused` twin is the composition of the ops it fuses (their own dispatch: Triton on
+CUDA, torch references elsewhere): the test reference, and the path of CPUs and larger batches."""
 import torch
 import torch.nn.functional as F
 
@@ -21,9 +22,10 @@ from asynct.ops.rope import qk_norm_rope
 
 SMALL_M = 16
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
+TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
 
 
-def linear_qk_norm_rope_ref(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
+def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
                             k_alpha, k_weight, cos_sin_cache):
     qkv = F.linear(x, weight)
     t, d = x.shape[0], cos_sin_cache.shape[-1]
@@ -33,11 +35,11 @@ def linear_qk_norm_rope_ref(x, weight, positions, num_heads, num_kv_heads, q_alp
     return q, k, qkv[:, nq + nk:].view(t, num_kv_heads, d)
 
 
-def linear_reglu_ref(x, weight):
+def linear_reglu_unfused(x, weight):
     return reglu(F.linear(x, weight))
 
 
-def linear_dyht_add_ref(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     return dyht_add(F.linear(x, weight), residual, alpha, dyht_weight, post_alpha, post_weight)
 
 
@@ -157,7 +159,8 @@ def _tiles(x, k, tiles):
     Splitting K over more programs instead, summed in a workspace, cost more than it gained
     (o_proj 5.8 us, down 7.9 us: benchmarks/RESULTS.md)."""
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 132
-    block_k = 512 if tiles < sms and k >= 1024 else 256
+    wide = tiles < sms and k >= 1024 and x.element_size() <= 2   # 3 x 32 KiB of shared memory
+    block_k = 512 if wide else 256
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
@@ -174,15 +177,18 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, the heads want "
                          f"{(num_heads + 2 * num_kv_heads) * d}")
     t, k = x.shape
+    if positions.shape != (t,) or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
+        raise ValueError(f"positions must be ({t},) and cos_sin_cache contiguous fp32, got "
+                         f"{tuple(positions.shape)} and {cos_sin_cache.dtype}")
     q = torch.empty(t, num_heads, d, dtype=x.dtype, device=x.device)
-    kk, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
+    k_out, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
     strides = [_param_stride(p, d, n) for p, n in ((q_alpha, "q_alpha"), (q_weight, "q_weight"),
                                                     (k_alpha, "k_alpha"), (k_weight, "k_weight"))]
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
-    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, kk, v, positions, cos_sin_cache, t, k, num_heads,
+    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, k_out, v, positions, cos_sin_cache, t, k, num_heads,
                                num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, HALF=d // 2,
                                HB=HALF_TILE, **_tiles(x, k, tiles))
-    return q, kk, v
+    return q, k_out, v
 
 
 def linear_reglu_triton(x, weight):
@@ -200,8 +206,9 @@ def linear_reglu_triton(x, weight):
 def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     _check(x, weight)
     (t, k), n = x.shape, weight.shape[0]
-    if residual is None or residual.shape != (t, n) or not residual.is_contiguous():
-        raise ValueError(f"residual must be contiguous {(t, n)}")
+    if (residual is None or residual.shape != (t, n) or not residual.is_contiguous()
+            or residual.dtype != x.dtype):
+        raise ValueError(f"residual must be contiguous {(t, n)} {x.dtype}")
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
     hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
@@ -209,10 +216,10 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
     pa, pw = (post_alpha, post_weight) if has_post else (alpha, dyht_weight)
     strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
-    tiles = triton.cdiv(n, 2 * HALF_TILE)
+    tiles = triton.cdiv(n, TILE_N)
     _linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
-        *strides, HAS_POST=has_post, BLOCK_N=2 * HALF_TILE, **_tiles(x, k, tiles))
+        *strides, HAS_POST=has_post, BLOCK_N=TILE_N, **_tiles(x, k, tiles))
     return hidden, normed
 
 
@@ -228,19 +235,20 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     rotated (NeoX RoPE over the whole head)."""
     d = cos_sin_cache.shape[-1]
     fast = _fast(x, weight) and d >= 2 * HALF_TILE and not d & (d - 1)
-    fn = linear_qk_norm_rope_triton if fast else linear_qk_norm_rope_ref
+    fn = linear_qk_norm_rope_triton if fast else linear_qk_norm_rope_unfused
     return fn(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
               cos_sin_cache)
 
 
 def linear_reglu(x, weight):
     """relu(gate) * up of `x @ weight.T` (weight = [gate; up])."""
-    fn = linear_reglu_triton if _fast(x, weight) and weight.shape[0] % 2 == 0 else linear_reglu_ref
+    fn = linear_reglu_triton if _fast(x, weight) and weight.shape[0] % 2 == 0 else linear_reglu_unfused
     return fn(x, weight)
 
 
 def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them."""
-    fast = _fast(x, weight) and residual is not None and residual.is_contiguous()
-    fn = linear_dyht_add_triton if fast else linear_dyht_add_ref
+    fast = (_fast(x, weight) and residual is not None and residual.is_contiguous()
+            and residual.dtype == x.dtype)
+    fn = linear_dyht_add_triton if fast else linear_dyht_add_unfused
     return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)
