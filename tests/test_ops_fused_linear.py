@@ -2,26 +2,22 @@
 compositions, on awkward shapes: K and N not multiples of the tiles, GQA, 1 and 16 rows."""
 import pytest
 import torch
+from test_engine import reference  # noqa: F401  (fixture: the HF reference model)
 from test_ops_attention import _interpreter_scalars  # noqa: F401  (autouse: loop bounds, bf16)
+from test_ops_elementwise import close as close_tol
+from test_ops_elementwise import on_dev
 
 from asynct.ops import (SMALL_M, linear_dyht_add, linear_dyht_add_unfused, linear_dyht_add_triton,
                         linear_qk_norm_rope, linear_qk_norm_rope_unfused, linear_qk_norm_rope_triton,
                         linear_reglu, linear_reglu_unfused, linear_reglu_triton, rope_cos_sin_cache)
 
 CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def on_dev(fn, *args, **kwargs):
-    out = fn(*[a.to(DEV) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
-    return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
-
-
 def close(got, want, dtype):
-    assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
-    torch.testing.assert_close(got.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    close_tol(got, want, TOL[dtype])
 
 
 def rand(*shape, gen, dtype, scale=1.0):
@@ -163,12 +159,10 @@ def test_dispatch_off_gpu_is_the_reference():
         assert torch.equal(got, want)
 
 
-def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, monkeypatch):
+def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, reference, monkeypatch):
     """The model's plumbing around the fused kernels (views, residual stream, the next layer's
     norm), every step at most 16 tokens so every step takes them (interpreted on CPU): greedy
     tokens and logprobs equal the reference model's."""
-    from transformers import AutoModelForCausalLM
-
     from asynct import LLM, SamplingParams
     from asynct.ops import fused_linear
     calls = []
@@ -182,7 +176,6 @@ def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, monke
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert calls and max(calls) <= SMALL_M
-    reference = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
     for p, o in zip(prompts, outs):
         full = p + o.outputs[0].token_ids
         with torch.no_grad():

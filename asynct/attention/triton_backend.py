@@ -91,7 +91,7 @@ class TritonBackend(AttentionBackend):
     def warmup(self, impl, kv_cache, dtype):
         """Decode's compiled variants: one split (written straight to the output) or several
         (fp32 partials, then a sum), each with and without the shared-prefix pass; then every
-        prefill tile config, split and not.
+        prefill variant the plan can pick for the pool (`prefill_variants`).
         Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
         dev = kv_cache.device
         b, blocks = 2, 4

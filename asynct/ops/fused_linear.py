@@ -26,7 +26,7 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
-                            k_alpha, k_weight, cos_sin_cache):
+                                k_alpha, k_weight, cos_sin_cache):
     qkv = F.linear(x, weight)
     t, d = x.shape[0], cos_sin_cache.shape[-1]
     nq, nk = num_heads * d, num_kv_heads * d
@@ -143,12 +143,35 @@ def _linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, 
     tl.store(out_ptr + offs, n.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _check(x, weight):
+# What the kernels take, as the reason they cannot (None: they can): the *_triton functions
+# raise it, the dispatch functions send such inputs to the unfused ops.
+def _operands_problem(x, weight):
     if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= SMALL_M:
-        raise ValueError(f"x must be [T <= {SMALL_M}, K] with unit last stride, got {tuple(x.shape)}")
+        return f"x must be [T <= {SMALL_M}, K] with unit last stride, got {tuple(x.shape)}"
     if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got "
-                         f"{tuple(weight.shape)} {weight.dtype}")
+        return (f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
+                f"{weight.dtype}")
+    return None
+
+
+def _head_dim_problem(d):
+    if d < 2 * HALF_TILE or d & (d - 1):
+        return f"head_dim must be a power of two >= {2 * HALF_TILE}, got {d}"
+    return None
+
+
+def _residual_problem(residual, x, weight):
+    shape = (x.shape[0], weight.shape[0])
+    if (residual is None or residual.shape != shape or not residual.is_contiguous()
+            or residual.dtype != x.dtype):
+        return f"residual must be contiguous {shape} {x.dtype}"
+    return None
+
+
+def _check(*problems):
+    for problem in problems:
+        if problem:
+            raise ValueError(problem)
 
 
 def _tiles(x, k, tiles):
@@ -169,10 +192,8 @@ def _tiles(x, k, tiles):
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
                                k_alpha, k_weight, cos_sin_cache):
-    _check(x, weight)
     d = cos_sin_cache.shape[-1]
-    if d < 2 * HALF_TILE or d & (d - 1):
-        raise ValueError(f"head_dim must be a power of two >= {2 * HALF_TILE}, got {d}")
+    _check(_operands_problem(x, weight), _head_dim_problem(d))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, the heads want "
                          f"{(num_heads + 2 * num_kv_heads) * d}")
@@ -185,14 +206,14 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     strides = [_param_stride(p, d, n) for p, n in ((q_alpha, "q_alpha"), (q_weight, "q_weight"),
                                                     (k_alpha, "k_alpha"), (k_weight, "k_weight"))]
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
-    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, k_out, v, positions, cos_sin_cache, t, k, num_heads,
-                               num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, HALF=d // 2,
-                               HB=HALF_TILE, **_tiles(x, k, tiles))
+    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, k_out, v, positions, cos_sin_cache, t, k,
+                               num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides,
+                               HALF=d // 2, HB=HALF_TILE, **_tiles(x, k, tiles))
     return q, k_out, v
 
 
 def linear_reglu_triton(x, weight):
-    _check(x, weight)
+    _check(_operands_problem(x, weight))
     if weight.shape[0] % 2:
         raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
     (t, k), i = x.shape, weight.shape[0] // 2
@@ -204,11 +225,8 @@ def linear_reglu_triton(x, weight):
 
 
 def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
-    _check(x, weight)
+    _check(_operands_problem(x, weight), _residual_problem(residual, x, weight))
     (t, k), n = x.shape, weight.shape[0]
-    if (residual is None or residual.shape != (t, n) or not residual.is_contiguous()
-            or residual.dtype != x.dtype):
-        raise ValueError(f"residual must be contiguous {(t, n)} {x.dtype}")
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
     hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
@@ -225,16 +243,14 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
 
 def _fast(x, weight) -> bool:
     """The fused kernels serve decode-sized CUDA batches; the rest runs the unfused ops."""
-    return (x.is_cuda and triton is not None and x.dim() == 2 and 0 < x.shape[0] <= SMALL_M
-            and x.stride(-1) == 1 and weight.is_contiguous() and weight.dtype == x.dtype)
+    return x.is_cuda and triton is not None and _operands_problem(x, weight) is None
 
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
                         k_weight, cos_sin_cache):
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
     rotated (NeoX RoPE over the whole head)."""
-    d = cos_sin_cache.shape[-1]
-    fast = _fast(x, weight) and d >= 2 * HALF_TILE and not d & (d - 1)
+    fast = _fast(x, weight) and _head_dim_problem(cos_sin_cache.shape[-1]) is None
     fn = linear_qk_norm_rope_triton if fast else linear_qk_norm_rope_unfused
     return fn(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
               cos_sin_cache)
@@ -248,7 +264,6 @@ def linear_reglu(x, weight):
 
 def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them."""
-    fast = (_fast(x, weight) and residual is not None and residual.is_contiguous()
-            and residual.dtype == x.dtype)
+    fast = _fast(x, weight) and _residual_problem(residual, x, weight) is None
     fn = linear_dyht_add_triton if fast else linear_dyht_add_unfused
     return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)
