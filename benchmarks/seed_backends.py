@@ -8,7 +8,6 @@ import torch
 from asynct.attention.base import AttentionBackend, AttentionImpl, register_backend
 from asynct.attention.torch_backend import plan_buckets
 from asynct.attention.triton_backend import TritonMetadataBuilder
-from asynct.ops import write_kv_cache
 from asynct.ops.asynci import asynci_attention
 
 
@@ -25,7 +24,7 @@ class _SeedImpl(AttentionImpl):
 
 class LoopImpl(_SeedImpl):
     def forward(self, q, k, v, kv_cache, md, output):
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        self.store_kv(k, v, kv_cache, md)
         kf, vf, bs = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1), kv_cache.shape[2]
         qsl, seq = md.query_start_loc_cpu, md.seq_lens_cpu
         for i in range(md.num_reqs):
@@ -41,7 +40,7 @@ class PaddedImpl(_SeedImpl):
     bucketed = False
 
     def forward(self, q, k, v, kv_cache, md, output):
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        self.store_kv(k, v, kv_cache, md)
         qsl, seq = md.query_start_loc_cpu, md.seq_lens_cpu
         qlens = [qsl[i + 1] - qsl[i] for i in range(md.num_reqs)]
         groups = plan_buckets(qlens, list(seq)) if self.bucketed else [list(range(md.num_reqs))]

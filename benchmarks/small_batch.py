@@ -3,12 +3,15 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
 
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep]
 
-1. Each layer op at 1, 8 and 16 rows, graph-timed over enough distinct weight copies that every
-   replay reads HBM (as 35 layers do), with the bandwidth its weights achieve. --sweep adds tile
-   configs at one row (BLOCK_K, stages, warps, weight rows per program).
+1. Each layer op at 1, 8 and 16 rows (unfused, fused without and with PDL), graph-timed over
+   enough distinct weight copies that every replay reads HBM (as 35 layers do), with the
+   bandwidth its weights achieve. --sweep adds tile configs at one row (BLOCK_K, stages, warps,
+   weight rows per program).
 2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16 and 32, context 384, for an engine with
-   the fused linears and one without, against the step's roofline: weights + KV read once at the
-   copy bandwidth."""
+   the fused linears, one with them but without programmatic dependent launch (every kernel
+   waits for the one before to drain), one whose QKV kernel leaves the KV write to the
+   attention backend, and one without fused linears, against the step's roofline: weights + KV
+   read once at the copy bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -20,8 +23,9 @@ from kernels import bench, copy_bandwidth, n_sets
 from profile_decode import fill_decodes, mean_step
 
 from asynct import LLM
+from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
-from asynct.ops import fused_linear as fl
+from asynct.ops import _triton, fused_linear as fl
 from asynct.ops.rope import rope_cos_sin_cache
 
 C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
@@ -36,6 +40,27 @@ def unfused():
         yield
     finally:
         fl._fast = fast
+
+
+@contextlib.contextmanager
+def no_pdl():
+    """Every kernel launched plainly: the same-run peer of programmatic dependent launch."""
+    _triton.PDL = False
+    try:
+        yield
+    finally:
+        _triton.PDL = True
+
+
+@contextlib.contextmanager
+def no_kv_fold():
+    """The attention backend stores each step's k/v (a kernel of its own), not the QKV kernel."""
+    target = engine_model.Attention.cache_target
+    engine_model.Attention.cache_target = lambda self: {}
+    try:
+        yield
+    finally:
+        engine_model.Attention.cache_target = target
 
 
 @contextlib.contextmanager
@@ -58,8 +83,7 @@ def tiles(half_tile=None, **changes):
 # (BLOCK_K, stages, warps, rows per tile / 2) at one row; the engine takes the first (QKV), the
 # second (o_proj, down) and the third (gate/up)
 SWEEP = [(256, 4, 4, 8), (512, 3, 4, 8), (256, 4, 2, 8), (512, 3, 2, 8), (1024, 2, 4, 8),
-         (1024, 3, 4, 8), (128, 6, 4, 8), (256, 6, 4, 8), (512, 4, 4, 8), (256, 4, 4, 16),
-         (512, 3, 4, 16), (1024, 2, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16)]
+         (256, 6, 4, 8), (512, 4, 4, 8), (512, 3, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16)]
 
 
 def op_cases(m):
@@ -85,23 +109,27 @@ def time_op(fn, shape, m):
 
 
 def ops_table(copy_bw, sweep):
-    print("\nop | rows | unfused us | fused us | fused TB/s | of copy BW | unfused / fused")
+    print("\nop | rows | unfused us | fused, no PDL us | fused us | fused TB/s | of copy BW | "
+          "unfused / fused | no PDL / fused")
     configs = SWEEP if sweep else []
     for m in (1, 8, 16):
         for name, shape, fn in op_cases(m):
             with unfused():
                 t_u, _ = time_op(fn, shape, m)
+            with no_pdl():
+                t_n, _ = time_op(fn, shape, m)
             t_f, bw = time_op(fn, shape, m)
-            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | "
-                  f"{bw / copy_bw:.2f} | {t_u / t_f:.2f}", flush=True)
+            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | "
+                  f"{bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f}", flush=True)
             for bk, st, w, hb in (configs if m == 1 else []):
+                name = f"bk{bk} st{st} w{w} rows{2 * hb}"
                 with tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w):
                     try:
                         t_c, bw_c = time_op(fn, shape, m)
                     except Exception as e:      # a config that does not fit is a result too
-                        print(f"  bk{bk} st{st} w{w} rows{2 * hb}: {type(e).__name__}")
+                        print(f"  {name}: {type(e).__name__}")
                         continue
-                print(f"  bk{bk} st{st} w{w} rows{2 * hb} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
+                print(f"  {name} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
 
 
 def engine_steps(model, mode, batches, context):
@@ -128,18 +156,21 @@ def engine_steps(model, mode, batches, context):
 
 def steps_table(model, copy_bw, context=384):
     batches = (1, 8, 16, 32)
-    modes = {"unfused": unfused, "fused": contextlib.nullcontext}
+    modes = {"unfused": unfused, "fused, no PDL": no_pdl, "no KV fold": no_kv_fold,
+             "fused": contextlib.nullcontext}
     ms = {}
     for name, mode in modes.items():
         ms[name], weights, kv_per_token = engine_steps(model, mode, batches, context)
     print(f"\ndecode step ms, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
           f" + KV) / copy BW")
-    print("batch | " + " | ".join(modes) + " | unfused / fused | roofline | fused / roofline")
+    print("batch | " + " | ".join(modes) + " | " + " | ".join(f"{n} / fused" for n in list(modes)[:-1])
+          + " | roofline | fused / roofline")
     for b in batches:
         roof = (weights + b * context * kv_per_token) / (copy_bw * 1e12)
-        print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) +
-              f" | {ms['unfused'][b] / ms['fused'][b]:.2f} | {roof * 1e3:.3f} | {ms['fused'][b] / roof:.2f}",
-              flush=True)
+        f = ms["fused"][b]
+        print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) + " | " +
+              " | ".join(f"{ms[n][b] / f:.2f}" for n in list(modes)[:-1]) +
+              f" | {roof * 1e3:.3f} | {f / roof:.2f}", flush=True)
 
 
 def main():

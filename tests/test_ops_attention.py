@@ -360,16 +360,12 @@ def worst_vs_float64(out, q, cache, row, n, sigma, scale, pool):
     return worst(out), worst(torch_path[0].transpose(0, 1))
 
 
-# Rounding the gate a to bf16 before a @ V was the prefill kernel's largest bf16 error (up to
-# 2^-8 relative on every weight): it left it at 0.5-0.95x of the torch backend's error. With the
-# gate's lo part the bf16 output cast bounds it, below an eighth of the torch backend's; the
-# margin asked is 3.
-BF16_MARGIN = 3
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_prefill_bf16_beats_torch_backend(seed):
-    """Two chunks (one after a cached prefix) through the launch plan's key splits and halos."""
+    """Two chunks (one after a cached prefix) through the launch plan's key splits and halos.
+    The gate goes into a @ V rounded to bf16, as in the torch backend and the decode kernels
+    (up to 2^-8 relative on every weight); fp32 scores and fp16 pool operands still leave the
+    kernel below the torch path's worst error (0.5-0.95x of it)."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, pool, n = 4, 2, 32, 16, 3, 150
     q, cache, row, sigma = bf16_sequence(n, hq, hkv, d, bs, gen)
@@ -383,7 +379,7 @@ def test_prefill_bf16_beats_torch_backend(seed):
     for b in range(2):
         rows = slice(int(qsl[b]), int(qsl[b + 1]))
         kern, ref = worst_vs_float64(out[rows], qs[rows], cache, row[0], lens[b], sigma, d ** -0.5, pool)
-        assert kern * BF16_MARGIN < ref, (b, kern, ref)
+        assert kern < ref, (b, kern, ref)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -391,8 +387,8 @@ def test_prefill_bf16_beats_torch_backend(seed):
 def test_decode_bf16_beats_torch_backend(seed, cascade):
     """Eight decodes of 60-150 keys, split-K; cascade: their first 48 keys through the shared-prefix pass.
     Decode rounds the gate to bf16 as the torch backend does (its lo part cost 13-18 % of a long
-    decode and moved no engine-level error), so it must only beat the torch path (fp32 scores
-    against bf16 ones: 0.57-0.71 of its worst error here), not by BF16_MARGIN."""
+    decode and moved no engine-level error), so it must beat the torch path (fp32 scores
+    against bf16 ones: 0.57-0.71 of its worst error here)."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, pool = 4, 2, 32, 16, 3
     lens = torch.linspace(60, 150, 8).int().tolist()

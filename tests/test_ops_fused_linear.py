@@ -5,11 +5,12 @@ import torch
 from test_engine import reference  # noqa: F401  (fixture: the HF reference model)
 from test_ops_attention import _interpreter_scalars  # noqa: F401  (autouse: loop bounds, bf16)
 from test_ops_elementwise import close as close_tol
-from test_ops_elementwise import on_dev
+from test_ops_elementwise import DEV, on_dev
 
 from asynct.ops import (SMALL_M, linear_dyht_add, linear_dyht_add_unfused, linear_dyht_add_triton,
                         linear_qk_norm_rope, linear_qk_norm_rope_unfused, linear_qk_norm_rope_triton,
-                        linear_reglu, linear_reglu_unfused, linear_reglu_triton, rope_cos_sin_cache)
+                        linear_reglu, linear_reglu_unfused, linear_reglu_triton, rope_cos_sin_cache,
+                        write_kv_cache_triton)
 
 CUDA = torch.cuda.is_available()
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -82,6 +83,38 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     close(want[2].reshape(t, -1), v, dtype)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (5, 3, 1, 16, 4), (16, 2, 2, 64, 16)])
+def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
+    """Given the cache and slots, the fused QKV kernel stores k and v itself, as the unfused
+    path + the cache write would (padding slots -1 store nothing; FP8 scales per channel)."""
+    gen = torch.Generator().manual_seed(t + d)
+    dev, dtype = DEV, torch.bfloat16
+    x, w = rand(t, 96, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, 96, gen=gen, dtype=dtype, scale=0.3)
+    pos, rope = torch.randint(0, 3000, (t,), generator=gen), rope_cos_sin_cache(d, 4096, 10000.0)
+    norms = (*norm_params(d, True, gen), *norm_params(d, False, gen))
+    slots = torch.randperm(8 * bs, generator=gen)[:t]
+    slots[t // 2] = -1 if t > 1 else slots[0]
+    scales = tuple(torch.rand(hkv, d, generator=gen) + 0.5 for _ in range(2)) if fp8 else (None, None)
+    cache = torch.zeros(2, 8, bs, hkv, d, dtype=torch.float8_e4m3fn if fp8 else dtype)
+    want_cache = cache.clone()
+    q, k, v = linear_qk_norm_rope_unfused(x, w, pos, hq, hkv, *norms, rope)
+    # the write kernel, not the torch reference: the interpreter rounds fp32 -> e4m3 its own way
+    # off the GPU (test_fp8_kv.test_fp8_store_kernel_interpreted_matches_ref)
+    on_dev(write_kv_cache_triton, k.contiguous(), v.contiguous(), want_cache, slots, *scales)
+    args = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in (x, w, pos, hq, hkv, *norms, rope)]
+    got_cache = cache.to(dev)
+    got = linear_qk_norm_rope_triton(*args, got_cache, slots.to(dev),
+                                     *(s.to(dev) if fp8 else None for s in scales))
+    assert got[1] is None and got[2] is None
+    close(got[0].cpu(), q.contiguous(), dtype)
+    got_cache, want_cache = got_cache.cpu().float().flatten(1, 2), want_cache.float().flatten(1, 2)
+    live = slots[slots >= 0]
+    assert want_cache[:, live].abs().sum(-1).gt(0).all()
+    assert torch.equal(got_cache[:, live], want_cache[:, live])
+    assert torch.equal(got_cache.abs().sum((0, 2, 3)) > 0, want_cache.abs().sum((0, 2, 3)) > 0)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("t", [1, 3, 16])
 def test_bench_shapes_deterministic(t):
@@ -105,6 +138,56 @@ def test_bench_shapes_deterministic(t):
             assert all(torch.equal(a, b) for a, b in zip(first, _tuple(fused(*args))))
         for a, b in zip(first, _tuple(ref(*args))):
             close(a.cpu(), b.contiguous().cpu(), torch.bfloat16)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_pdl_chain_matches_plain_launches(monkeypatch):
+    """Four decode layers' kernel chains (QKV, KV write, split decode attention and its sum,
+    o_proj, gate/up, down) replayed from a CUDA graph with programmatic dependent launch:
+    outputs and cache bit-identical to plain launches. A kernel that read what the kernel
+    before writes, or wrote anything, before its wait would race here."""
+    from asynct.ops import _triton, asynci_decode, write_kv_cache
+    gen = torch.Generator("cuda").manual_seed(0)
+
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+    one, sigma = torch.ones(1, device="cuda"), torch.full((8,), 0.7, device="cuda")
+    x, cache0 = r(1, 1024), r(2, 40, 16, 4, 128)
+    pos, rope = torch.tensor([299], device="cuda"), rope_cos_sin_cache(128, 512, 1e6, "cuda")
+    table = torch.arange(40, dtype=torch.int32, device="cuda")[None]
+    lens, slot = torch.tensor([300], dtype=torch.int32, device="cuda"), torch.tensor([299], device="cuda")
+    w = [(r(2048, 1024, scale=0.03), r(1024, 1024, scale=0.03), r(6144, 1024, scale=0.03),
+          r(1024, 3072, scale=0.03)) for _ in range(4)]
+
+    def layers(h, n, cache):
+        for wqkv, wo, wgu, wd in w:
+            q, k, v = linear_qk_norm_rope(n, wqkv, pos, 8, 4, one, one, one, one, rope)
+            write_kv_cache(k, v, cache, slot)
+            a = asynci_decode(q, cache, table, lens, sigma, 0.09, 3, True, torch.empty_like(q),
+                              max_seq_len=4096)
+            h, n = linear_dyht_add(a.view(1, -1), wo, h, one, one, one, one)
+            h, n = linear_dyht_add(linear_reglu(n, wgu), wd, h, one, one)
+        return h, n
+
+    outs = []
+    for on in (False, True):
+        monkeypatch.setattr(_triton, "PDL", on)
+        cache = cache0.clone()
+        layers(x, x, cache.clone())               # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = layers(x, x, cache)
+        for _ in range(3):
+            cache.copy_(cache0)
+            graph.replay()
+        torch.cuda.synchronize()
+        outs.append((*got, cache))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_pdl_only_on_cuda():
+    from asynct.ops._triton import pdl, pdl_args
+    assert not pdl(torch.zeros(1)) and pdl_args(torch.zeros(1)) == dict(PDL=False, launch_pdl=False)
 
 
 def _tuple(x):

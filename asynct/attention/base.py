@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asynct.ops import write_kv_cache
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -102,10 +104,17 @@ class AttentionImpl(ABC):
     def kv_scales(self) -> dict:
         return dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
+    def store_kv(self, k, v, kv_cache, metadata: AttentionMetadata):
+        """This step's k/v into the cache, unless the fused QKV projection stored them (None)."""
+        if k is not None:
+            write_kv_cache(k, v, kv_cache, metadata.slot_mapping, **self.kv_scales)
+
     @abstractmethod
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, output):
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens; writes k/v into `kv_cache`
-        ([2, num_blocks, block_size, Hkv, D]) and the attention of every query into `output`."""
+        ([2, num_blocks, block_size, Hkv, D]) and the attention of every query into `output`.
+        k and v None: the step's keys and values are in the cache already (the fused QKV
+        projection stored them)."""
 
 
 class AttentionBackend(ABC):

@@ -11,7 +11,6 @@ import torch
 from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
                                    register_backend)
-from asynct.ops import write_kv_cache
 from asynct.ops.asynci import asynci_attention
 from asynct.ops.kv_cache import dequantize
 
@@ -77,7 +76,7 @@ class TorchMetadataBuilder(AttentionMetadataBuilder):
 
 class TorchAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata, output):
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, **self.kv_scales)
+        self.store_kv(k, v, kv_cache, metadata)
         k_flat, v_flat = kv_cache[0].flatten(0, 1), kv_cache[1].flatten(0, 1)
         for b in metadata.buckets:
             qb = q[b.q_index].transpose(1, 2)                  # [b, Hq, tq, D]

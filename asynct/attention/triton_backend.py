@@ -14,7 +14,7 @@ import torch
 from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
                                    host_to_device, register_backend)
-from asynct.ops import asynci_decode, asynci_prefill, write_kv_cache
+from asynct.ops import asynci_decode, asynci_prefill
 from asynct.ops.asynci_prefill import warmup_prefill
 
 CASCADE_MIN_DECODES = 16     # below this, a prefix tile holds too few sequences to pay off
@@ -60,7 +60,7 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
 
 class TritonAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, md: TritonAttentionMetadata, output):
-        write_kv_cache(k, v, kv_cache, md.slot_mapping, **self.kv_scales)
+        self.store_kv(k, v, kv_cache, md)
         nd, na = md.num_decode_tokens, md.num_actual_tokens
         args = (self.sigma, self.scale, self.pool_size, self.relu_pre)
         if nd:

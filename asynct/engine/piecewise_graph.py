@@ -53,7 +53,7 @@ class PiecewiseGraphRunner:
         if i == len(m.layers):
             self.hidden[:t].copy_(n)
             return
-        q, k, v = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache)
+        q, k, v = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache, write_kv=False)
         for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
             buf[:t].copy_(x)
 

@@ -34,7 +34,14 @@ class Attention(nn.Module):
                              config.asynci_pool_size, config.asynci_relu_pre)
         self.kv_cache = torch.empty(0)
 
+    def cache_target(self) -> dict:
+        """Where this step's keys and values go: the layer's cache, the tokens' slots, its
+        FP8 scales (the fused QKV projection stores them there itself)."""
+        return dict(kv_cache=self.kv_cache, slot_mapping=get_context().attn_metadata.slot_mapping,
+                    **self.impl.kv_scales)
+
     def forward(self, q, k, v):
+        """k and v None: already in the cache."""
         out = torch.empty_like(q)
         self.impl.forward(q, k, v, self.kv_cache, get_context().attn_metadata, out)
         return out
@@ -61,11 +68,15 @@ class DecoderLayer(nn.Module):
         q, k, v = self.attention_inputs(positions, n, cos_sin)
         return self.after_attention(self.attn(q, k, v), residual, next_norm)
 
-    def attention_inputs(self, positions, n, cos_sin):
-        """q, k, v of the tokens, normed and rotated: everything of the layer before attention."""
+    def attention_inputs(self, positions, n, cos_sin, write_kv=True):
+        """q, k, v of the tokens, normed and rotated: everything of the layer before attention.
+        With write_kv, k and v may come back None: stored in the cache already. A captured
+        piece of a piecewise graph must not store (its step's slots are not static)."""
         qn, kn = self.q_norm, self.k_norm
+        target = self.attn.cache_target() if write_kv else {}
         return ops.linear_qk_norm_rope(n, self.qkv_proj.weight, positions, self.num_heads,
-                                       self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin)
+                                       self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin,
+                                       **target)
 
     def after_attention(self, attn_out, residual, next_norm):
         """Everything of the layer after attention, through the next layer's input norm."""

@@ -5,7 +5,7 @@ are bounded by sqrt(w_i^2 + w_{i+D/2}^2). v = W_v h with |h_i| <= |w_h,i| (the i
 |v_j| <= sum_i |W_v[j, i]| |w_h,i|. Both hold for every input; a scale is bound / FP8_MAX."""
 import torch
 
-from asynct.ops.kv_cache import FP8_DTYPE, FP8_MAX, is_fp8  # noqa: F401  (is_fp8: re-exported)
+from asynct.ops.kv_cache import FP8_DTYPE, FP8_MAX, dequantize, is_fp8  # noqa: F401  (is_fp8: re-exported)
 
 KV_CACHE_DTYPES = {"auto": None, "fp8": FP8_DTYPE, "fp8_e4m3": FP8_DTYPE}
 
@@ -65,11 +65,18 @@ def observed_kv_max(llm, prompts) -> list[tuple[torch.Tensor, torch.Tensor]]:
     seen = [[None, None] for _ in model.layers]
 
     def recording(i, forward):
-        def wrapped(q, k, v, *rest):
+        impl = model.layers[i].attn.impl
+
+        def wrapped(q, k, v, kv_cache, md, *rest):
+            out = forward(q, k, v, kv_cache, md, *rest)
+            if k is None:       # the fused QKV projection stored them: read them back
+                slots = md.slot_mapping[md.slot_mapping >= 0]
+                k, v = (dequantize(kv_cache[j].flatten(0, 1)[slots], s, torch.float32)
+                        for j, s in ((0, impl.k_scale), (1, impl.v_scale)))
             for j, x in enumerate((k, v)):
                 m = x.float().abs().amax(0)
                 seen[i][j] = m if seen[i][j] is None else torch.maximum(seen[i][j], m)
-            return forward(q, k, v, *rest)
+            return out
         return wrapped
     for i, layer in enumerate(model.layers):
         layer.attn.impl.forward = recording(i, layer.attn.impl.forward)

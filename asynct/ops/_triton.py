@@ -1,16 +1,22 @@
 """Triton, where it is installed. CPU-only installs get stand-ins so that the kernel definitions
 still evaluate, and every op falls back to its torch reference."""
 import contextlib
+import functools
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
     triton = None
 
     class tl:  # noqa: N801  (lets `x: tl.constexpr` annotations evaluate)
         constexpr = None
+
+# Programmatic dependent launch: off only for the same-run peer of benchmarks/small_batch.py
+PDL = True
 
 
 def jit(fn=None, **options):
@@ -21,6 +27,39 @@ def jit(fn=None, **options):
     if fn is None:
         return lambda f: jit(f, **options)
     return triton.jit(fn, **options) if triton is not None else fn
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device_index) -> bool:
+    import torch
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl(t) -> bool:
+    """Whether kernels on `t`'s device launch with programmatic dependent launch: a kernel's
+    programs start while the kernel before finishes (a decode-sized layer is a chain of kernels
+    of a few microseconds, each otherwise paying launch and ramp-up after the last one drains).
+    Every such kernel calls `wait_for_prior` before it reads what an earlier kernel wrote and
+    before it writes anything."""
+    return (PDL and t.is_cuda and triton is not None and os.environ.get("TRITON_INTERPRET") != "1"
+            and _hopper_or_later(t.device.index or 0))
+
+
+def pdl_args(t, wanted=True) -> dict:
+    """The launch options and the kernel's PDL flag for a launch on `t`'s device."""
+    on = wanted and pdl(t)
+    return dict(PDL=on, launch_pdl=on)
+
+
+@jit
+def wait_for_prior(PDL: tl.constexpr):
+    """Waits until the kernel before has finished and its writes are visible, then lets the
+    next kernel's programs start. Signalled only here, after the wait, so that at most one
+    kernel runs ahead: signalled at a kernel's start, every later kernel of the step would
+    launch at once and park its programs on the SMs."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @contextlib.contextmanager

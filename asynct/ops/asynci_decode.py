@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
 from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8
 from asynct.ops.paged_ref import asynci_decode_ref
 
@@ -88,7 +88,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr):
+                   FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,11 +145,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
 def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, scale, sqb, sqh, B,
                    s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+                   PDL: tl.constexpr):
     """Keys [0, prefix_len) that every sequence of the batch shares (same blocks): a program
     takes BLOCK_M query rows of one KV head, from many sequences, so each prefix key is loaded
     once per row tile instead of once per sequence. Every prefix key precedes every query: no
     causal mask. Writes its split's partial to pre[b, head, split]."""
+    wait_for_prior(PDL)
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,7 +195,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
 
 
 @_jit(do_not_specialize=["S"])
-def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, D: tl.constexpr):
+def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, D: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     nh = tl.num_programs(1)
@@ -279,12 +283,12 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
             q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale),
             q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M,
-            FP8=fp8, **consts, num_warps=PREFIX_WARPS, num_stages=num_stages)
+            FP8=fp8, **consts, num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
         pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
         *k_cache.stride()[:3], g, s_pre, ks, vs, M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0,
-        FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages)
+        FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return sum_splits(dst, out, splits)
 
 
@@ -298,10 +302,10 @@ def split_output(out, splits):
             (hq * splits * d, splits * d, d))
 
 
-def sum_splits(dst, out, splits):
+def sum_splits(dst, out, splits, pdl=True):
     if splits > 1:   # AsyncI has no normalisation: the partials of disjoint key ranges add
         _sum_splits_kernel[out.shape[:2]](dst, out, out.stride(0), out.stride(1), splits, D=out.shape[2],
-                                          num_warps=4)
+                                          num_warps=4, **pdl_args(out, pdl))
     return out
 
 

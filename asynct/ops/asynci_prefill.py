@@ -39,21 +39,6 @@ def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr, dtype: tl.
 
 
 @_jit
-def pv_dot(a, v, acc, PREC: tl.constexpr):
-    """acc + a @ v for fp32 gates `a` [M, N] in [0, 1]. Rounded to bf16, every weight would
-    carry up to 2^-8 relative error, the kernel's largest bf16 error. So for bf16 `a` goes in
-    as hi + lo parts (~16 bits), paid for by the pool's single fp16 operand (_tile). fp16
-    (2^-11) needs no lo part. The decode kernels round `a` to bf16: there the lo part's dot
-    cost 13-18 % of a long decode (benchmarks/decode_sweep.py) and moved no engine-level
-    error (RESULTS.md, bf16 parity)."""
-    a_hi = a.to(v.dtype)
-    acc = tl.dot(a_hi, v, acc, input_precision=PREC)
-    if v.dtype == tl.bfloat16:
-        acc = tl.dot((a - a_hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
-    return acc
-
-
-@_jit
 def _pool_operand(r, dtype: tl.constexpr):
     """r as the band products' operand: fp32 for fp32 inputs (its products "tf32x3", hi + lo
     tf32 parts: ~22 bits, on the tensor cores), else fp16, whose 2^-11 relative error on the
@@ -76,9 +61,11 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, f_cur, f_pre
         valid = kmask[None, :] & (keys[None, :] <= pos[:, None])
         r = tl.where(valid, r, 0.0)
     # The pool as products with 0/1 bands on the tensor cores: 1.7x faster at 8K tokens than
-    # shifting r through tl.gather (shared-memory round trips). r goes in as one fp16 operand,
-    # not an fp16 hi + lo pair: the two band products saved pay for the gate's lo part in
-    # pv_dot, where the bf16 error was. Tensor-core FLOPs per bf16 score 6D + 4N (was 4D + 8N).
+    # shifting r through tl.gather (shared-memory round trips). r goes in as one fp16 operand.
+    # The gate goes into a @ V in v's type, as the decode kernels and the torch backend round
+    # it: carrying its bf16 rounding error as a second (lo) a @ V made the kernel's error an
+    # eighth of the torch backend's instead of 0.5-0.95x of it, but 2K-8K prompts 1.1-1.2x
+    # slower (H200, benchmarks/RESULTS.md). Tensor-core FLOPs per bf16 score 4D + 4N.
     r = _pool_operand(r, f_cur.dtype)
     lp = tl.dot(r, f_cur, input_precision="tf32x3")
     if P > 1:
@@ -86,7 +73,7 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, f_cur, f_pre
     a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
     if MASKED:
         a = tl.where(valid, a, 0.0)
-    return pv_dot(a, v, acc, PREC), r
+    return tl.dot(a.to(v.dtype), v, acc, input_precision=PREC), r
 
 
 @_jit
@@ -255,7 +242,9 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages)
-    return sum_splits(dst, out, splits)
+    # launched plainly: with programmatic dependent launch the split sum's programs came in
+    # early and the split plans ran 1.07-1.14x slower (2K tokens: 74.3 against 65.4 us)
+    return sum_splits(dst, out, splits, pdl=False)
 
 
 def prefill_variants(pool_size=1):

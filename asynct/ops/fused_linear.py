@@ -14,9 +14,10 @@ CUDA, torch references elsewhere): the test reference, and the path of CPUs and 
 import torch
 import torch.nn.functional as F
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
 from asynct.ops.asynci_decode import _sm_count
 from asynct.ops.dyht import _param_stride, dyht_add
+from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8, store_cache_rows
 from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
@@ -45,11 +46,15 @@ def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=
 
 @_jit
 def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype"""
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype. The weights could load
+    before the wait for the kernel before (PDL); measured, that lost: all of K (<= 1,024) in
+    registers made decode steps 1.15x slower, the first K tile gained nothing (the loop after
+    it loses its pipelined prologue). benchmarks/RESULTS.md."""
     m = tl.arange(0, BLOCK_M)[:, None]
     xp = x_ptr + m * sx
     wp = w_ptr + rows.to(tl.int64)[:, None] * K
+    wait_for_prior(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)[None, :]
@@ -79,44 +84,55 @@ def _dyht(x, a_ptr, w_ptr, cols, sa, sw):
 @_jit(do_not_specialize=["M", "HQ", "HKV"])
 def _qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K, HQ, HKV,
                      qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw,
+                     kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head,
                      HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
     # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
     per_head: tl.constexpr = HALF // HB
     head = tl.program_id(0) // per_head
     d0 = (tl.program_id(0) % per_head) * HB
     j = tl.arange(0, 2 * HB)
     rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL)
     lo, hi = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     d = d0 + tl.arange(0, HB)
     if head < HQ + HKV:
         if head < HQ:
             lo, hi = _dyht(lo, qa_ptr, qw_ptr, d, sqa, sqw), _dyht(hi, qa_ptr, qw_ptr, d + HALF, sqa, sqw)
-            out, h, nh = q_ptr, head, HQ
+            out, h, nh, cache, scales = q_ptr, head, HQ, kc_ptr, ks_ptr
         else:
             lo, hi = _dyht(lo, ka_ptr, kw_ptr, d, ska, skw), _dyht(hi, ka_ptr, kw_ptr, d + HALF, ska, skw)
-            out, h, nh = k_ptr, head - HQ, HKV
+            out, h, nh, cache, scales = k_ptr, head - HQ, HKV, kc_ptr, ks_ptr
         cs = cs_ptr + tl.load(pos_ptr + m, mask=m < M, other=0) * (2 * HALF) + d[None, :]
         cos, sin = tl.load(cs), tl.load(cs + HALF)
         lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
     else:
-        out, h, nh = v_ptr, head - HQ - HKV, HKV
-    dst = out + (m * nh + h) * (2 * HALF) + d[None, :]
-    ty = out.dtype.element_ty
-    tl.store(dst, lo.to(ty), mask=m < M)
-    tl.store(dst + HALF, hi.to(ty), mask=m < M)
+        out, h, nh, cache, scales = v_ptr, head - HQ - HKV, HKV, vc_ptr, vs_ptr
+    ty = q_ptr.dtype.element_ty
+    lo, hi = lo.to(ty), hi.to(ty)     # the cache gets k and v as the unfused path stores them
+    if WRITE_KV and head >= HQ:       # this step's keys and values go straight to the cache
+        slot = tl.load(slot_ptr + m, mask=m < M, other=-1)
+        ok, dd = (m < M) & (slot >= 0), d[None, :]
+        store_cache_rows(cache, scales, slot, h, dd, lo, ok, dd >= 0, s_blk, s_tok, s_head, BS, 2 * HALF, FP8)
+        store_cache_rows(cache, scales, slot, h, dd + HALF, hi, ok, dd >= 0, s_blk, s_tok, s_head, BS,
+                         2 * HALF, FP8)
+    else:
+        dst = out + (m * nh + h) * (2 * HALF) + d[None, :]
+        tl.store(dst, lo, mask=m < M)
+        tl.store(dst + HALF, hi, mask=m < M)
 
 
 @_jit(do_not_specialize=["M"])
 def _gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr):
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                          PDL: tl.constexpr):
     # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
     j = tl.arange(0, 2 * HB)
     n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
     rows = tl.where(j < HB, n, n + I)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL)
     gate, up = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
@@ -128,10 +144,10 @@ def _gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, 
 def _linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, dw_ptr, pa_ptr, pw_ptr,
                             M, K, N, sa, sw, spa, spw, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, PDL: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION)
+    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL)
     safe = tl.where(cmask, cols, 0)
     if HAS_POST:
         h = _dyht(h, pa_ptr, pw_ptr, safe, spa, spw)
@@ -187,11 +203,20 @@ def _tiles(x, k, tiles):
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
-                num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4)
+                num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4,
+                **pdl_args(x))
+
+
+def _cache_problem(kv_cache, slot_mapping, t, num_kv_heads, d):
+    if kv_cache.shape[3:] != (num_kv_heads, d) or slot_mapping is None or slot_mapping.shape != (t,):
+        return (f"kv_cache must hold {num_kv_heads} heads of {d} and slot_mapping be ({t},), got "
+                f"{tuple(kv_cache.shape)} and {None if slot_mapping is None else tuple(slot_mapping.shape)}")
+    return None
 
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
-                               k_alpha, k_weight, cos_sin_cache):
+                               k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
+                               k_scale=None, v_scale=None):
     d = cos_sin_cache.shape[-1]
     _check(_operands_problem(x, weight), _head_dim_problem(d))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
@@ -202,13 +227,25 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         raise ValueError(f"positions must be ({t},) and cos_sin_cache contiguous fp32, got "
                          f"{tuple(positions.shape)} and {cos_sin_cache.dtype}")
     q = torch.empty(t, num_heads, d, dtype=x.dtype, device=x.device)
-    k_out, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
     strides = [_param_stride(p, d, n) for p, n in ((q_alpha, "q_alpha"), (q_weight, "q_weight"),
                                                     (k_alpha, "k_alpha"), (k_weight, "k_weight"))]
+    write = kv_cache is not None
+    if write:
+        check_kv_cache(kv_cache)
+        check_kv_scales(kv_cache, k_scale, v_scale)
+        _check(_cache_problem(kv_cache, slot_mapping, t, num_kv_heads, d))
+        k_out = v = None
+        caches, fp8 = (kv_cache[0], kv_cache[1], slot_mapping), is_fp8(kv_cache.dtype)
+        scales = (k_scale, v_scale) if fp8 else (q_alpha, q_alpha)   # stand-ins, never read
+        cache_strides, bs = kv_cache[0].stride()[:3], kv_cache.shape[2]
+    else:
+        k_out, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
+        caches, scales, cache_strides, bs, fp8 = (q, q, positions), (q_alpha, q_alpha), (0, 0, 0), 1, False
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
-    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, k_out, v, positions, cos_sin_cache, t, k,
-                               num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides,
-                               HALF=d // 2, HB=HALF_TILE, **_tiles(x, k, tiles))
+    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, q if write else k_out, q if write else v, positions,
+                               cos_sin_cache, t, k, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
+                               k_weight, *strides, *caches, *scales, *cache_strides, HALF=d // 2,
+                               HB=HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8, **_tiles(x, k, tiles))
     return q, k_out, v
 
 
@@ -247,13 +284,21 @@ def _fast(x, weight) -> bool:
 
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
-                        k_weight, cos_sin_cache):
+                        k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None, k_scale=None,
+                        v_scale=None):
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
-    rotated (NeoX RoPE over the whole head)."""
-    fast = _fast(x, weight) and _head_dim_problem(cos_sin_cache.shape[-1]) is None
-    fn = linear_qk_norm_rope_triton if fast else linear_qk_norm_rope_unfused
-    return fn(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
-              cos_sin_cache)
+    rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, the
+    fused kernel stores k and v there itself (one kernel fewer a layer) and returns (q, None,
+    None); the unfused path returns k and v for the attention backend to store."""
+    args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
+            cos_sin_cache)
+    d = cos_sin_cache.shape[-1]
+    if not (_fast(x, weight) and _head_dim_problem(d) is None):
+        return linear_qk_norm_rope_unfused(*args)
+    if kv_cache is None or kv_cache.device != x.device or _cache_problem(
+            kv_cache, slot_mapping, x.shape[0], num_kv_heads, d):
+        return linear_qk_norm_rope_triton(*args)
+    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale)
 
 
 def linear_reglu(x, weight):

@@ -8,7 +8,7 @@ An FP8 (e4m3) cache stores x / scale with static per-(KV head, channel) scales [
 of becoming NaN, and readers multiply the scale back in registers."""
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
 
 
 def check_kv_cache(kv_cache):
@@ -69,16 +69,23 @@ def write_kv_cache_ref(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None)
 
 
 @_jit
-def _quantize(x, scale_ptr, h, d, hmask, D: tl.constexpr):
-    """x / scale, clamped to e4m3's range (the cast to the cache's type follows)."""
-    s = tl.load(scale_ptr + h * D + d, mask=hmask, other=1.0)
-    return tl.minimum(tl.maximum(x.to(tl.float32) / s, -448.0), 448.0)
+def store_cache_rows(cache_ptr, scale_ptr, slot, h, d, x, mask, hmask, s_blk, s_tok, s_head,
+                     BS: tl.constexpr, D: tl.constexpr, FP8: tl.constexpr):
+    """Stores x (this step's keys or values of heads h, dims d, broadcast over tokens) at each
+    token's cache slot; an FP8 cache gets x / scale, clamped to e4m3's range. `hmask`: the
+    real heads (a mask of the scales' shape)."""
+    if FP8:
+        s = tl.load(scale_ptr + h * D + d, mask=hmask, other=1.0)
+        x = tl.minimum(tl.maximum(x.to(tl.float32) / s, -448.0), 448.0)
+    dst = (slot // BS) * s_blk + (slot % BS) * s_tok + h * s_head + d
+    tl.store(cache_ptr + dst, x.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit(do_not_specialize=["T"])
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, T, sk0, sk1, sv0, sv1,
                      s_blk, s_tok, s_head, H, D: tl.constexpr, BS: tl.constexpr,
-                     H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, FP8: tl.constexpr):
+                     H_PAD: tl.constexpr, BLOCK_T: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
     h = tl.arange(0, H_PAD)[None, :, None]
     d = tl.arange(0, D)[None, None, :]
@@ -86,12 +93,8 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, T, 
     mask = (h < H) & (slot >= 0)
     kk = tl.load(k_ptr + t.to(tl.int64) * sk0 + h * sk1 + d, mask=mask)
     vv = tl.load(v_ptr + t.to(tl.int64) * sv0 + h * sv1 + d, mask=mask)
-    if FP8:
-        kk = _quantize(kk, ks_ptr, h, d, h < H, D)
-        vv = _quantize(vv, vs_ptr, h, d, h < H, D)
-    dst = (slot // BS) * s_blk + (slot % BS) * s_tok + h * s_head + d
-    tl.store(kc_ptr + dst, kk.to(kc_ptr.dtype.element_ty), mask=mask)
-    tl.store(vc_ptr + dst, vv.to(vc_ptr.dtype.element_ty), mask=mask)
+    store_cache_rows(kc_ptr, ks_ptr, slot, h, d, kk, mask, h < H, s_blk, s_tok, s_head, BS, D, FP8)
+    store_cache_rows(vc_ptr, vs_ptr, slot, h, d, vv, mask, h < H, s_blk, s_tok, s_head, BS, D, FP8)
 
 
 def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
@@ -108,7 +111,7 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=No
     _write_kv_kernel[(triton.cdiv(t, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, *((k_scale, v_scale) if fp8 else (slot_mapping,) * 2), t,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], h, D=d,
-        BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t, FP8=fp8, num_warps=4)
+        BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t, FP8=fp8, num_warps=4, **pdl_args(k))
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):

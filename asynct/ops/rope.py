@@ -126,7 +126,9 @@ def rope_triton(x, positions, cos_sin_cache):
 
 
 def _use_triton(x):
-    return x.is_cuda and triton is not None
+    """CUDA heads of a power-of-two size; others (head_dim 24 under the torch backend) the reference."""
+    d = x.shape[-1]
+    return x.is_cuda and triton is not None and d & (d - 1) == 0
 
 
 def rope(x, positions, cos_sin_cache):
