@@ -40,8 +40,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+import asynct.attention.base as attention_base  # noqa: E402
 import asynct.attention.torch_backend as torch_backend  # noqa: E402
 import asynct.attention.triton_backend as triton_backend  # noqa: E402
+import asynct.model.engine_model as engine_model  # noqa: E402
 import spec_oracle  # noqa: E402
 from asynct import LLM, SamplingParams, ops  # noqa: E402
 from asynct.config import AsyncTConfig  # noqa: E402
@@ -247,7 +249,7 @@ def smoke_kernels():
     ops to the Triton kernels (under TRITON_INTERPRET) instead, so that they are exercised."""
     return [(ops, "dyht", ops.dyht_triton), (ops, "dyht_add", ops.dyht_add_triton),
             (ops, "qk_norm_rope", ops.qk_norm_rope_triton), (ops, "reglu", ops.reglu_triton),
-            (triton_backend, "write_kv_cache", ops.write_kv_cache_triton),
+            (attention_base, "write_kv_cache", ops.write_kv_cache_triton),
             (triton_backend, "asynci_prefill", _prefill_triton),
             (triton_backend, "asynci_decode", ops.asynci_decode_triton)]
 
@@ -271,8 +273,10 @@ def variants(attribution, smoke=False):
     for name, ref in ELEMENTWISE.items():
         out[f"triton {name}=ref"] = (tri, [(ops, name, getattr(ops, ref))])
     kv_ref = ops.write_kv_cache_ref
-    # the reference write indexes with a mask (a host sync): no CUDA graphs
-    out["triton write_kv=ref"] = (eager, [(triton_backend, "write_kv_cache", kv_ref)])
+    # the reference write indexes with a mask (a host sync): no CUDA graphs; and the QKV kernel
+    # leaves every step's write to the backend
+    out["triton write_kv=ref"] = (eager, [(attention_base, "write_kv_cache", kv_ref),
+                                          (engine_model.Attention, "cache_target", lambda self: {})])
     out["triton prefill=torch-like"] = (tri, [(triton_backend, "asynci_prefill", prefill_torchlike)])
     # the stand-ins read lengths on the host: no CUDA graphs for decode swaps
     out["triton decode=torch-like"] = (eager, [(triton_backend, "asynci_decode", decode_torchlike)])

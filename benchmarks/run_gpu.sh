@@ -19,9 +19,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 for s in $stages; do
   echo "=== $s ($(date +%T))"
   case $s in
-    smoke) timeout 150 python3 -m pytest tests/test_engine.py -x -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/smoke.log
+    smoke) timeout 300 python3 -m pytest tests/test_engine.py -x -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/smoke.log
            grep -q " passed" $OUT/smoke.log && ! grep -q "failed" $OUT/smoke.log || exit 1 ;;
-    gputests) timeout 300 python3 -m pytest tests/test_gpu_runtime.py tests/test_piecewise_graphs.py \
+    gputests) timeout 540 python3 -m pytest tests/test_gpu_runtime.py tests/test_piecewise_graphs.py \
              tests/test_async_scheduling.py tests/test_ops_attention.py tests/test_ops_elementwise.py \
              tests/test_fp8_kv.py tests/test_ops_fused_linear.py -q -p no:cacheprovider \
              2>&1 | tail -15 | tee $OUT/gputests.log ;;

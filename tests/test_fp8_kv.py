@@ -182,6 +182,31 @@ def test_static_bounds_hold_and_k_bound_is_tight(tiny_ckpt):
         assert k_max.max() > 0.99 * kb.max()          # RoPE'd DyHT outputs reach their bound
 
 
+def test_observed_kv_max_reads_back_what_the_qkv_kernel_stored(tiny_ckpt, monkeypatch):
+    """Steps of <= 16 tokens take the fused QKV kernel (interpreted here), which stores k/v in
+    the cache itself: the maxima read back from it equal those of the same engine with the
+    store left to the attention backend."""
+    from asynct.attention.base import AttentionImpl
+    from asynct.model import engine_model
+    from asynct.ops import fused_linear
+    monkeypatch.setattr(fused_linear, "_fast",
+                        lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= 16 and w.dtype == x.dtype)
+    stored_by_qkv = []
+    store_kv = AttentionImpl.store_kv
+    monkeypatch.setattr(AttentionImpl, "store_kv",
+                        lambda self, k, *a: stored_by_qkv.append(k is None) or store_kv(self, k, *a))
+    llm = LLM(str(tiny_ckpt), num_kv_blocks=64, enforce_eager=True)
+    prompts = [[3, 7, 11], list(range(20, 32))]
+    stored_by_qkv.clear()
+    folded = observed_kv_max(llm, prompts)
+    assert stored_by_qkv and all(stored_by_qkv)
+    monkeypatch.setattr(engine_model.Attention, "cache_target", lambda self: {})
+    plain = observed_kv_max(llm, prompts)
+    for a, b in zip(folded, plain):
+        for x, y in zip(a, b):
+            assert x.max() > 0 and torch.equal(x, y)
+
+
 def test_unknown_kv_cache_dtype_is_named(tiny_ckpt):
     with pytest.raises(ValueError, match="kv_cache_dtype 'int8'"):
         LLM(str(tiny_ckpt), kv_cache_dtype="int8", num_kv_blocks=8)

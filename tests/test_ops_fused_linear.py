@@ -141,53 +141,61 @@ def test_bench_shapes_deterministic(t):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_pdl_chain_matches_plain_launches(monkeypatch):
-    """Four decode layers' kernel chains (QKV, KV write, split decode attention and its sum,
-    o_proj, gate/up, down) replayed from a CUDA graph with programmatic dependent launch:
-    outputs and cache bit-identical to plain launches. A kernel that read what the kernel
-    before writes, or wrote anything, before its wait would race here."""
+@pytest.mark.parametrize("fold,cascade", [(False, False), (True, True)])
+def test_pdl_chain_matches_plain_launches(monkeypatch, fold, cascade):
+    """Four decode layers' kernel chains (QKV, the KV write or its fold into QKV, split decode
+    attention with or without its shared-prefix pass, the split sum, o_proj, gate/up, down)
+    replayed from CUDA graphs with programmatic dependent launch and without, on three inputs
+    in turn: outputs and cache bit-identical. A kernel that read what the kernel before writes,
+    or wrote anything, before its wait would race here."""
     from asynct.ops import _triton, asynci_decode, write_kv_cache
+    if not _triton.pdl(torch.zeros(1, device="cuda")):
+        pytest.skip("programmatic dependent launch needs Hopper or later")
     gen = torch.Generator("cuda").manual_seed(0)
 
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
     one, sigma = torch.ones(1, device="cuda"), torch.full((8,), 0.7, device="cuda")
-    x, cache0 = r(1, 1024), r(2, 40, 16, 4, 128)
+    x_in, xs, cache0 = r(1, 1024), [r(1, 1024) for _ in range(3)], r(2, 40, 16, 4, 128)
     pos, rope = torch.tensor([299], device="cuda"), rope_cos_sin_cache(128, 512, 1e6, "cuda")
     table = torch.arange(40, dtype=torch.int32, device="cuda")[None]
     lens, slot = torch.tensor([300], dtype=torch.int32, device="cuda"), torch.tensor([299], device="cuda")
+    prefix = torch.tensor([256], dtype=torch.int32, device="cuda") if cascade else None
     w = [(r(2048, 1024, scale=0.03), r(1024, 1024, scale=0.03), r(6144, 1024, scale=0.03),
           r(1024, 3072, scale=0.03)) for _ in range(4)]
 
-    def layers(h, n, cache):
+    def layers(cache):
+        h = n = x_in
         for wqkv, wo, wgu, wd in w:
-            q, k, v = linear_qk_norm_rope(n, wqkv, pos, 8, 4, one, one, one, one, rope)
-            write_kv_cache(k, v, cache, slot)
+            target = dict(kv_cache=cache, slot_mapping=slot) if fold else {}
+            q, k, v = linear_qk_norm_rope(n, wqkv, pos, 8, 4, one, one, one, one, rope, **target)
+            assert (k is None) == fold
+            if k is not None:
+                write_kv_cache(k, v, cache, slot)
             a = asynci_decode(q, cache, table, lens, sigma, 0.09, 3, True, torch.empty_like(q),
-                              max_seq_len=4096)
+                              max_seq_len=4096, prefix_len=prefix)
             h, n = linear_dyht_add(a.view(1, -1), wo, h, one, one, one, one)
             h, n = linear_dyht_add(linear_reglu(n, wgu), wd, h, one, one)
         return h, n
 
-    outs = []
+    graphs = []
     for on in (False, True):
         monkeypatch.setattr(_triton, "PDL", on)
         cache = cache0.clone()
-        layers(x, x, cache.clone())               # compiles outside the capture
+        layers(cache.clone())               # compiles outside the capture
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            got = layers(x, x, cache)
-        for _ in range(3):
+            out = layers(cache)
+        graphs.append((graph, cache, out))
+    for x in xs:
+        x_in.copy_(x)
+        got = []
+        for graph, cache, out in graphs:
             cache.copy_(cache0)
             graph.replay()
+            got.append([t.clone() for t in (*out, cache)])
         torch.cuda.synchronize()
-        outs.append((*got, cache))
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-
-
-def test_pdl_only_on_cuda():
-    from asynct.ops._triton import pdl, pdl_args
-    assert not pdl(torch.zeros(1)) and pdl_args(torch.zeros(1)) == dict(PDL=False, launch_pdl=False)
+        assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
 def _tuple(x):

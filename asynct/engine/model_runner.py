@@ -100,13 +100,17 @@ class ModelRunner:
     @torch.inference_mode()
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: a one-token forward (the
-        decode-sized fused linears, KV write, prefill), one just past them (the unfused
-        elementwise kernels), then the attention variants neither can reach."""
+        decode-sized fused linears, the QKV one storing k/v, prefill), one just past them (the
+        unfused elementwise kernels, the KV write), the QKV kernel without its store (what a
+        piecewise graph's small piece runs), then the attention variants none can reach."""
         for n in (1, min(WARMUP_TOKENS, self.num_kv_blocks * self.block_size)):
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                           torch.arange(n, device=self.device), self.builder.build(step))
+        x = torch.zeros(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.model.layers[0].attention_inputs(torch.zeros(1, dtype=torch.long, device=self.device), x,
+                                              self.model.cos_sin_cache, write_kv=False)
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         torch.cuda.synchronize(self.device)
 

@@ -8,12 +8,15 @@ from concurrent.futures import ThreadPoolExecutor
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
     triton = None
 
     class tl:  # noqa: N801  (lets `x: tl.constexpr` annotations evaluate)
         constexpr = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:     # a Triton before 3.4: the kernels launch plainly
+    gdc_launch_dependents = gdc_wait = None
 
 # Programmatic dependent launch: off only for the same-run peer of benchmarks/small_batch.py
 PDL = True
@@ -30,19 +33,19 @@ def jit(fn=None, **options):
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_later(device_index) -> bool:
+def _pdl_device(device_index) -> bool:
     import torch
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+    return (gdc_wait is not None and torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability(device_index) >= (9, 0))
 
 
 def pdl(t) -> bool:
-    """Whether kernels on `t`'s device launch with programmatic dependent launch: a kernel's
-    programs start while the kernel before finishes (a decode-sized layer is a chain of kernels
-    of a few microseconds, each otherwise paying launch and ramp-up after the last one drains).
-    Every such kernel calls `wait_for_prior` before it reads what an earlier kernel wrote and
-    before it writes anything."""
-    return (PDL and t.is_cuda and triton is not None and os.environ.get("TRITON_INTERPRET") != "1"
-            and _hopper_or_later(t.device.index or 0))
+    """Whether kernels on `t`'s device launch with programmatic dependent launch (Hopper on): a
+    kernel's programs start while the kernel before finishes (a decode-sized layer is a chain of
+    kernels of a few microseconds, each otherwise paying launch and ramp-up after the last one
+    drains). Every such kernel calls `wait_for_prior` before it reads what an earlier kernel
+    wrote and before it writes anything."""
+    return PDL and t.is_cuda and _pdl_device(t.device.index or 0)
 
 
 def pdl_args(t, wanted=True) -> dict:

@@ -207,10 +207,14 @@ def _tiles(x, k, tiles):
                 **pdl_args(x))
 
 
-def _cache_problem(kv_cache, slot_mapping, t, num_kv_heads, d):
-    if kv_cache.shape[3:] != (num_kv_heads, d) or slot_mapping is None or slot_mapping.shape != (t,):
-        return (f"kv_cache must hold {num_kv_heads} heads of {d} and slot_mapping be ({t},), got "
-                f"{tuple(kv_cache.shape)} and {None if slot_mapping is None else tuple(slot_mapping.shape)}")
+def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
+    t = x.shape[0]
+    if (kv_cache.shape[3:] != (num_kv_heads, d) or kv_cache.device != x.device or slot_mapping is None
+            or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous()
+            or slot_mapping.device != x.device):
+        return (f"kv_cache must hold {num_kv_heads} heads of {d} and slot_mapping be a contiguous ({t},), "
+                f"both on {x.device}, got {tuple(kv_cache.shape)} and "
+                f"{None if slot_mapping is None else tuple(slot_mapping.shape)}")
     return None
 
 
@@ -233,7 +237,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     if write:
         check_kv_cache(kv_cache)
         check_kv_scales(kv_cache, k_scale, v_scale)
-        _check(_cache_problem(kv_cache, slot_mapping, t, num_kv_heads, d))
+        _check(_cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d))
         k_out = v = None
         caches, fp8 = (kv_cache[0], kv_cache[1], slot_mapping), is_fp8(kv_cache.dtype)
         scales = (k_scale, v_scale) if fp8 else (q_alpha, q_alpha)   # stand-ins, never read
@@ -295,8 +299,7 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     d = cos_sin_cache.shape[-1]
     if not (_fast(x, weight) and _head_dim_problem(d) is None):
         return linear_qk_norm_rope_unfused(*args)
-    if kv_cache is None or kv_cache.device != x.device or _cache_problem(
-            kv_cache, slot_mapping, x.shape[0], num_kv_heads, d):
+    if kv_cache is None or _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
         return linear_qk_norm_rope_triton(*args)
     return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale)
 

@@ -115,5 +115,7 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=No
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
-    fn = write_kv_cache_triton if kv_cache.is_cuda and triton is not None else write_kv_cache_ref
+    d = kv_cache.shape[-1]      # head sizes not a power of two (the torch backend) take the reference
+    fast = kv_cache.is_cuda and triton is not None and d & (d - 1) == 0
+    fn = write_kv_cache_triton if fast else write_kv_cache_ref
     fn(k, v, kv_cache, slot_mapping, k_scale, v_scale)
