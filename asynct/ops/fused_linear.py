@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
-from asynct.ops.asynci_decode import _sm_count
+from asynct.ops.asynci_decode import _sm_count, scale_args
 from asynct.ops.dyht import _param_stride, dyht_add
-from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8, store_cache_rows
+from asynct.ops.kv_cache import check_kv_cache, store_cache_rows
 from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
@@ -236,20 +236,21 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     write = kv_cache is not None
     if write:
         check_kv_cache(kv_cache)
-        check_kv_scales(kv_cache, k_scale, v_scale)
         _check(_cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d))
+        ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, q_alpha)
         k_out = v = None
-        caches, fp8 = (kv_cache[0], kv_cache[1], slot_mapping), is_fp8(kv_cache.dtype)
-        scales = (k_scale, v_scale) if fp8 else (q_alpha, q_alpha)   # stand-ins, never read
-        cache_strides, bs = kv_cache[0].stride()[:3], kv_cache.shape[2]
+        outs = (q, q)       # stand-ins, never written: k and v go to the cache
+        cache = (kv_cache[0], kv_cache[1], slot_mapping, ks, vs, *kv_cache[0].stride()[:3])
+        bs = kv_cache.shape[2]
     else:
-        k_out, v = (torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device) for _ in range(2))
-        caches, scales, cache_strides, bs, fp8 = (q, q, positions), (q_alpha, q_alpha), (0, 0, 0), 1, False
+        k_out, v = outs = tuple(torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device)
+                                for _ in range(2))
+        cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
-    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, q if write else k_out, q if write else v, positions,
-                               cos_sin_cache, t, k, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
-                               k_weight, *strides, *caches, *scales, *cache_strides, HALF=d // 2,
-                               HB=HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8, **_tiles(x, k, tiles))
+    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
+                               num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
+                               HALF=d // 2, HB=HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8,
+                               **_tiles(x, k, tiles))
     return q, k_out, v
 
 
