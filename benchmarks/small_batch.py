@@ -3,14 +3,15 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
 
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep]
 
-1. Each layer op at 1, 8 and 16 rows (unfused, fused without and with PDL), graph-timed over
-   enough distinct weight copies that every replay reads HBM (as 35 layers do), with the
-   bandwidth its weights achieve. --sweep adds tile configs at one row (BLOCK_K, stages, warps,
+1. Each layer op at 1, 8 and 16 rows (unfused, fused without PDL, without the L2 prefetch, and
+   fused), graph-timed over enough distinct weight copies that every replay reads HBM (as 35
+   layers do), with the bandwidth its weights achieve. --sweep adds tile configs at one row (BLOCK_K, stages, warps,
    weight rows per program).
 2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16 and 32, context 384, for an engine with
    the fused linears, one with them but without programmatic dependent launch (every kernel
    waits for the one before to drain), one whose QKV kernel leaves the KV write to the
-   attention backend, and one without fused linears, against the step's roofline: weights + KV
+   attention backend, one whose linears do not prefetch their weights into L2 while the kernel
+   before runs, and one without fused linears, against the step's roofline: weights + KV
    read once at the copy bandwidth."""
 import argparse
 import contextlib
@@ -64,6 +65,16 @@ def no_kv_fold():
 
 
 @contextlib.contextmanager
+def no_prefetch():
+    """Fused linears without the L2 prefetch of their weights before the PDL wait."""
+    fl.L2_PREFETCH = False
+    try:
+        yield
+    finally:
+        fl.L2_PREFETCH = True
+
+
+@contextlib.contextmanager
 def tiles(half_tile=None, **changes):
     """Overrides of the fused kernels' launch options and rows per tile (the sweep's configs)."""
     orig, orig_half = fl._tiles, fl.HALF_TILE
@@ -72,6 +83,7 @@ def tiles(half_tile=None, **changes):
         t = orig(x, k, n)
         t.update(changes)
         t["EVEN_K"] = k % t["BLOCK_K"] == 0
+        t["LINES"] = t["LINES"] and max(1, t["BLOCK_K"] * x.element_size() // 128)
         return t
     fl._tiles, fl.HALF_TILE = patched, half_tile or orig_half
     try:
@@ -109,8 +121,8 @@ def time_op(fn, shape, m):
 
 
 def ops_table(copy_bw, sweep):
-    print("\nop | rows | unfused us | fused, no PDL us | fused us | fused TB/s | of copy BW | "
-          "unfused / fused | no PDL / fused")
+    print("\nop | rows | unfused us | fused, no PDL us | no L2 prefetch us | fused us | fused TB/s | "
+          "of copy BW | unfused / fused | no PDL / fused | no prefetch / fused")
     configs = SWEEP if sweep else []
     for m in (1, 8, 16):
         for name, shape, fn in op_cases(m):
@@ -118,9 +130,11 @@ def ops_table(copy_bw, sweep):
                 t_u, _ = time_op(fn, shape, m)
             with no_pdl():
                 t_n, _ = time_op(fn, shape, m)
+            with no_prefetch():
+                t_p, _ = time_op(fn, shape, m)
             t_f, bw = time_op(fn, shape, m)
-            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_f * 1e6:.1f} | {bw:.2f} | "
-                  f"{bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f}", flush=True)
+            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_p * 1e6:.1f} | {t_f * 1e6:.1f} | "
+                  f"{bw:.2f} | {bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f} | {t_p / t_f:.2f}", flush=True)
             for bk, st, w, hb in (configs if m == 1 else []):
                 name = f"bk{bk} st{st} w{w} rows{2 * hb}"
                 with tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w):
@@ -154,10 +168,13 @@ def engine_steps(model, mode, batches, context):
     return out, weights, kv_per_token
 
 
-def steps_table(model, copy_bw, context=384):
+MODES = {"unfused": unfused, "fused, no PDL": no_pdl, "no KV fold": no_kv_fold,
+         "no L2 prefetch": no_prefetch, "fused": contextlib.nullcontext}
+
+
+def steps_table(model, copy_bw, names, context=384):
     batches = (1, 8, 16, 32)
-    modes = {"unfused": unfused, "fused, no PDL": no_pdl, "no KV fold": no_kv_fold,
-             "fused": contextlib.nullcontext}
+    modes = {n: MODES[n] for n in MODES if n in names}
     ms = {}
     for name, mode in modes.items():
         ms[name], weights, kv_per_token = engine_steps(model, mode, batches, context)
@@ -167,7 +184,7 @@ def steps_table(model, copy_bw, context=384):
           + " | roofline | fused / roofline")
     for b in batches:
         roof = (weights + b * context * kv_per_token) / (copy_bw * 1e12)
-        f = ms["fused"][b]
+        f = ms[list(modes)[-1]][b]
         print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) + " | " +
               " | ".join(f"{ms[n][b] / f:.2f}" for n in list(modes)[:-1]) +
               f" | {roof * 1e3:.3f} | {f / roof:.2f}", flush=True)
@@ -178,14 +195,17 @@ def main():
     ap.add_argument("--model", default=None)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--skip-engine", action="store_true")
+    ap.add_argument("--skip-ops", action="store_true")
+    ap.add_argument("--modes", default=",".join(MODES), help="engines of the step table, comma-separated")
     a = ap.parse_args()
     print(torch.cuda.get_device_name())
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.2f} TB/s")
-    ops_table(copy_bw, a.sweep)
+    if not a.skip_ops:
+        ops_table(copy_bw, a.sweep)
     if not a.skip_engine:
         model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
-        steps_table(str(model), copy_bw)
+        steps_table(str(model), copy_bw, a.modes.split(","))
 
 
 if __name__ == "__main__":

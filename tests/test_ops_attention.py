@@ -204,6 +204,15 @@ def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     assert err < 1e-5
 
 
+def test_split_decode_leaves_its_counters_zero():
+    """The last program of each (sequence, KV head) adds the splits up and resets its arrival
+    counter, so the next launch (a graph replay) counts from zero again."""
+    from asynct.ops.asynci_decode import split_counters
+    for lens in ([3, 100, 64], [130, 1]):
+        assert decode_case(asynci_decode_triton, lens, 4, 2, 16, 4, 3, True, device=DEV, splits=5) < 1e-5
+    assert not split_counters(torch.empty(0, device=DEV).device, 1).any()
+
+
 def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=torch.float32,
                        device="cpu", seed=0, block_major=False, **kw):
     """Decode over a batch whose rows share their first prefix_blocks blocks (as the prefix

@@ -1,12 +1,13 @@
-"""Paged AsyncI decode: one query token per sequence, two-stage split-K (Triton), plus the
+"""Paged AsyncI decode: one query token per sequence, split-K in one kernel (Triton), plus the
 dispatch between it and the CUDA kernel of cuda_ext.py.
 
 Stage 1: a program per (sequence, KV head, split) scores its key range for all query heads of
 the KV group at once (one K/V load serves them all), forms the causal pool from the previous
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
-those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
-simply add.
+those P-1 keys. Stage 2, in the same kernel: AsyncI has no normalisation, so the partials of
+disjoint key ranges simply add, and the last program of a (sequence, KV head) to finish adds
+them.
 
 An FP8 cache is dequantised in registers by folding its static per-channel scales into the
 math: s = q.(k*ks) = (q*ks).k, so q is scaled once per program, and sum_j a_j (v_j*vs) =
@@ -83,12 +84,36 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
     return tl.minimum(tl.maximum(s - sigma[:, None] * lp, 0.0), 1.0)
 
 
-@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
-                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
+@_jit
+def _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G,
+                   D: tl.constexpr, M: tl.constexpr):
+    """Several splits per (sequence, KV head): each program parks its fp32 partial, and the last
+    one to finish adds the used splits' partials up in split order (AsyncI has no normalisation:
+    disjoint key ranges simply add) and writes the output. No second kernel, and the sum reads
+    only the splits that held keys (a graph's split count is sized for its longest context)."""
+    nkv = tl.num_programs(1)
+    d = tl.arange(0, D)
+    head = kvh * G + g
+    mid = mid_ptr + ((b.to(tl.int64) * nkv * G + head) * tl.num_programs(2))[:, None] * D + d[None, :]
+    if split < used:
+        tl.store(mid + split * D, acc, mask=gmask[:, None])
+    tl.debug_barrier()      # every thread's partial is out before the one atomic below releases them
+    cnt = cnt_ptr + b * nkv + kvh
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == tl.num_programs(2) - 1:
+        total = tl.zeros([M, D], dtype=tl.float32)
+        for s in range(used):
+            total += tl.load(mid + s * D, mask=gmask[:, None], other=0.0, cache_modifier=".cg")
+        dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
+        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        tl.store(cnt, 0)    # ready for the next launch: graphs replay without a memset
+
+
+@_jit(do_not_specialize=["sbt", "sob", "soh", "S_PRE"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, mid_ptr, cnt_ptr, plen_ptr,
+                   pre_ptr, scale, sqb, sqh, sbt, sob, soh, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
     wait_for_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -101,6 +126,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     per = tl.cdiv(tl.cdiv(n_keys - start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = start + split * per
     hi = tl.minimum(lo + per, n_keys)
+    used = tl.maximum(tl.cdiv(n_keys - start, tl.maximum(per, 1)), 1)   # split 0 always reports
 
     g = tl.arange(0, M)
     gmask = g < G
@@ -137,8 +163,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
             row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
             for s_ in range(S_PRE):
                 acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-    dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    if SPLIT:
+        _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G, D, M)
+    else:
+        dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @_jit(do_not_specialize=["B", "S_PRE"])
@@ -195,8 +224,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
 
 
 @_jit(do_not_specialize=["S"])
-def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, D: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, D: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     nh = tl.num_programs(1)
@@ -253,7 +281,8 @@ PREFIX_WARPS = 4
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
-                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N, num_warps=4, num_stages=2,
+                         out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None,
+                         block_n=BLOCK_N, num_warps=4, num_stages=2,
                          k_scale=None, v_scale=None):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
@@ -268,7 +297,6 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     if splits is None:
         splits = num_splits(b, hkv, hint, sms)
     g = hq // hkv
-    dst, strides = split_output(out, splits)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
     block_n = max(block_n, triton.next_power_of_2(int(pool_size)))
@@ -276,7 +304,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    s_pre, pre = 0, dst
+    s_pre, pre = 0, out
     if prefix_len is not None:
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
         pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
@@ -284,12 +312,32 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
             q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale),
             q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M,
             FP8=fp8, **consts, num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
+    mid, cnt = out, seq_lens      # stand-ins, never touched with one split
+    if splits > 1:
+        mid = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
+        cnt = split_counters(q.device, b * hkv)
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, prefix_len if s_pre else seq_lens,
-        pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
+        q, k_cache, v_cache, block_table, seq_lens, sigma, out, mid, cnt, prefix_len if s_pre else seq_lens,
+        pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
         *k_cache.stride()[:3], g, s_pre, ks, vs, M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0,
-        FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
-    return sum_splits(dst, out, splits)
+        SPLIT=splits > 1, FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+    return out
+
+
+MAX_SPLIT_ROWS = 1 << 16
+_split_counters = {}
+
+
+def split_counters(device, rows):
+    """The decode kernel's arrival counters, one per (sequence, KV head), kept per device and
+    zero between launches (each launch's last programs reset theirs), so neither a launch nor a
+    graph replay pays a memset. Decode launches on one device must not overlap (the engine runs
+    one forward stream); the backend's warm-up allocates them before any graph capture."""
+    if rows > MAX_SPLIT_ROWS:
+        raise ValueError(f"split decode takes at most {MAX_SPLIT_ROWS} (sequence, KV head) pairs, got {rows}")
+    if device not in _split_counters:
+        _split_counters[device] = torch.zeros(MAX_SPLIT_ROWS, dtype=torch.int32, device=device)
+    return _split_counters[device]
 
 
 def split_output(out, splits):
@@ -302,10 +350,10 @@ def split_output(out, splits):
             (hq * splits * d, splits * d, d))
 
 
-def sum_splits(dst, out, splits, pdl=True):
+def sum_splits(dst, out, splits):
     if splits > 1:   # AsyncI has no normalisation: the partials of disjoint key ranges add
         _sum_splits_kernel[out.shape[:2]](dst, out, out.stride(0), out.stride(1), splits, D=out.shape[2],
-                                          num_warps=4, **pdl_args(out, pdl))
+                                          num_warps=4)
     return out
 
 

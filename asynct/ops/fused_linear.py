@@ -14,7 +14,7 @@ CUDA, torch references elsewhere): the test reference, and the path of CPUs and 
 import torch
 import torch.nn.functional as F
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, pdl_args, prefetch_l2, tl, triton, wait_for_prior
 from asynct.ops.asynci_decode import _sm_count, scale_args
 from asynct.ops.dyht import _param_stride, dyht_add
 from asynct.ops.kv_cache import check_kv_cache, store_cache_rows
@@ -22,6 +22,7 @@ from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
 SMALL_M = 16
+L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.py
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
 
@@ -46,14 +47,20 @@ def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=
 
 @_jit
 def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype. The weights could load
-    before the wait for the kernel before (PDL); measured, that lost: all of K (<= 1,024) in
-    registers made decode steps 1.15x slower, the first K tile gained nothing (the loop after
-    it loses its pipelined prologue). benchmarks/RESULTS.md."""
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+              LINES: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype. Before the wait for the
+    kernel before (PDL), the program asks L2 for its weight rows, LINES 128-byte lines per row
+    and K tile (0: no prefetch). Loading them into registers instead lost: all of K (<= 1,024)
+    made decode steps 1.15x slower, the first K tile gained nothing. benchmarks/RESULTS.md."""
     m = tl.arange(0, BLOCK_M)[:, None]
     xp = x_ptr + m * sx
     wp = w_ptr + rows.to(tl.int64)[:, None] * K
+    if LINES > 0:
+        base = w_ptr + tl.where(rmask, rows, 0).to(tl.int64)[:, None] * K
+        line = tl.arange(0, LINES)[None, :] * (BLOCK_K // LINES)
+        for k0 in range(0, K, BLOCK_K):
+            prefetch_l2(base + tl.minimum(k0 + line, K - 1))
     wait_for_prior(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -87,14 +94,15 @@ def _qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, 
                      kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head,
                      HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr, FP8: tl.constexpr):
+                     PDL: tl.constexpr, LINES: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr,
+                     FP8: tl.constexpr):
     # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
     per_head: tl.constexpr = HALF // HB
     head = tl.program_id(0) // per_head
     d0 = (tl.program_id(0) % per_head) * HB
     j = tl.arange(0, 2 * HB)
     rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
     lo, hi = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     d = d0 + tl.arange(0, HB)
@@ -127,12 +135,12 @@ def _qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, 
 @_jit(do_not_specialize=["M"])
 def _gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                          PDL: tl.constexpr):
+                          PDL: tl.constexpr, LINES: tl.constexpr):
     # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
     j = tl.arange(0, 2 * HB)
     n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
     rows = tl.where(j < HB, n, n + I)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
     gate, up = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
@@ -144,10 +152,10 @@ def _gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, 
 def _linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, dw_ptr, pa_ptr, pw_ptr,
                             M, K, N, sa, sw, spa, spw, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr):
+                            PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL)
+    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
     safe = tl.where(cmask, cols, 0)
     if HAS_POST:
         h = _dyht(h, pa_ptr, pw_ptr, safe, spa, spw)
@@ -202,9 +210,11 @@ def _tiles(x, k, tiles):
     block_k = 512 if wide else 256
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    pdl = pdl_args(x)
+    lines = max(1, block_k * x.element_size() // 128) if pdl["PDL"] and L2_PREFETCH else 0
     return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
                 num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4,
-                **pdl_args(x))
+                LINES=lines, **pdl)
 
 
 def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
