@@ -168,7 +168,7 @@ def engine_steps(model, mode, batches, context):
     return out, weights, kv_per_token
 
 
-MODES = {"unfused": unfused, "fused, no PDL": no_pdl, "no KV fold": no_kv_fold,
+MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "fused": contextlib.nullcontext}
 
 
