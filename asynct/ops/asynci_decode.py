@@ -85,21 +85,46 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @_jit
+def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
+                D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
+                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+    """fp32 [M, D]: AsyncI of the query rows `q` over keys [lo, hi) of one KV head, their pool
+    window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0)."""
+    n = tl.arange(0, BLOCK_N)
+    keys = lo - BLOCK_N + n
+    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
+    k = load_kv_rows(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+    acc = tl.zeros([q.shape[0], D], dtype=tl.float32)
+    for j0 in range(lo, hi, BLOCK_N):
+        keys = j0 + n
+        kmask = keys < hi
+        k = load_kv_rows(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+        v = load_kv_rows(v_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+        r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+        a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
+        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
+        r_prev = r
+    return apply_v_scale(acc, vs_ptr, kvh, D, FP8)
+
+
+@_jit
 def _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G,
                    D: tl.constexpr, GP: tl.constexpr, SC: tl.constexpr):
-    """Several splits per (sequence, KV head): each program parks its fp32 partial, and the last
-    one to finish adds up the partials of the splits that held keys (AsyncI has no
-    normalisation: disjoint key ranges simply add) and writes the output. No second kernel, and
-    the sum reads SC splits of the group's GP heads at once: a loop of one load per split put
-    its L2 round trips in series (batch 8: 1.13x slower steps than a separate sum kernel)."""
+    """Several splits per (sequence, KV head): each of the `used` programs that hold keys parks
+    its fp32 partial, and the last to finish adds them up (AsyncI has no normalisation:
+    disjoint key ranges simply add) and writes the output. No second kernel, and the sum reads
+    SC splits of the group's GP heads at once: a loop of one load per split put its L2 round
+    trips in series (batch 8: 1.13x slower steps than a separate sum kernel)."""
     nkv, n_splits = tl.num_programs(1), tl.num_programs(2)
     d = tl.arange(0, D)
     row = (b.to(tl.int64) * nkv * G + kvh * G + g) * n_splits + split
-    if split < used:
-        tl.store(mid_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+    tl.store(mid_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     tl.debug_barrier()      # every thread's partial is out before the one atomic below releases them
     cnt = cnt_ptr + b * nkv + kvh
-    if tl.atomic_add(cnt, 1, sem="acq_rel") == n_splits - 1:
+    if tl.atomic_add(cnt, 1, sem="acq_rel") == used - 1:
         gg = tl.arange(0, GP)
         head = kvh * G + gg
         first = (b.to(tl.int64) * nkv * G + head) * n_splits
@@ -134,47 +159,28 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, mid
     lo = start + split * per
     hi = tl.minimum(lo + per, n_keys)
     used = tl.maximum(tl.cdiv(n_keys - start, tl.maximum(per, 1)), 1)   # split 0 always reports
-
-    g = tl.arange(0, M)
-    gmask = g < G
-    head = kvh * G + g
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
-                mask=gmask[:, None], other=0.0)
-    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
-    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
-    bt_row = bt_ptr + b.to(tl.int64) * sbt
-    n = tl.arange(0, BLOCK_N)
-
-    # halo: r of the P-1 keys left of this split (zero before the sequence start)
-    keys = lo - BLOCK_N + n
-    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-
-    acc = tl.zeros([M, D], dtype=tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        keys = j0 + n
-        kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-        a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
-        r_prev = r
-    acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
-    if CASCADE:
-        if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
-            row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
-            for s_ in range(S_PRE):
-                acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-    if SPLIT:
-        _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G, D, GP, SC)
-    else:
-        dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    if split < used:     # the splits past the last key do nothing (a graph sizes them for its longest context)
+        g = tl.arange(0, M)
+        gmask = g < G
+        head = kvh * G + g
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
+                    mask=gmask[:, None], other=0.0)
+        q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
+        sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
+        bt_row = bt_ptr + b.to(tl.int64) * sbt
+        acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
+                          D, BS, BLOCK_N, P, RELU, PREC, FP8)
+        if CASCADE:
+            if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
+                row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
+                for s_ in range(S_PRE):
+                    acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+        if SPLIT:
+            _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G, D, GP, SC)
+        else:
+            dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @_jit(do_not_specialize=["B", "S_PRE"])
@@ -205,26 +211,8 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
                 mask=rmask[:, None], other=0.0)
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
-    n = tl.arange(0, BLOCK_N)
-
-    keys = lo - BLOCK_N + n
-    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        keys = j0 + n
-        kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        v = load_kv_rows(v_ptr, bt_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-        a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
-        r_prev = r
-    acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)
+    acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared: a graph's prefix pass then costs a launch
     tl.store(dst, acc, mask=rmask[:, None] & (n_keys > 0))
