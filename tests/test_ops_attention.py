@@ -204,13 +204,19 @@ def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     assert err < 1e-5
 
 
-def test_split_decode_leaves_its_counters_zero():
-    """The last program of each (sequence, KV head) adds the splits up and resets its arrival
-    counter, so the next launch (a graph replay) counts from zero again."""
-    from asynct.ops.asynci_decode import split_counters
-    for lens in ([3, 100, 64], [130, 1]):
-        assert decode_case(asynci_decode_triton, lens, 4, 2, 16, 4, 3, True, device=DEV, splits=5) < 1e-5
-    assert not split_counters(torch.empty(0, device=DEV).device, 1).any()
+def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
+    """A graph sizes the split count for its longest context: splits past a shorter sequence's
+    last key write nothing, and the sum must not read them (NaN-filled here), cascade too."""
+    import importlib
+    dec = importlib.import_module("asynct.ops.asynci_decode")
+    split_output = dec.split_output
+
+    def nan_filled(out, splits):
+        dst, strides = split_output(out, splits)
+        return (dst.fill_(float("nan")) if splits > 1 else dst), strides
+    monkeypatch.setattr(dec, "split_output", nan_filled)
+    assert decode_case(asynci_decode_triton, [3, 100, 64, 1], 4, 2, 16, 4, 3, True, device=DEV, splits=16) < 1e-5
+    assert shared_prefix_case([40, 45, 50], 8, 4, 2, 16, 4, 3, True, device=DEV, splits=8) < 1e-5
 
 
 def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=torch.float32,

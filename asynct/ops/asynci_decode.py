@@ -1,13 +1,13 @@
-"""Paged AsyncI decode: one query token per sequence, split-K in one kernel (Triton), plus the
+"""Paged AsyncI decode: one query token per sequence, two-stage split-K (Triton), plus the
 dispatch between it and the CUDA kernel of cuda_ext.py.
 
 Stage 1: a program per (sequence, KV head, split) scores its key range for all query heads of
 the KV group at once (one K/V load serves them all), forms the causal pool from the previous
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
-those P-1 keys. Stage 2, in the same kernel: AsyncI has no normalisation, so the partials of
-disjoint key ranges simply add, and the last program of a (sequence, KV head) to finish adds
-them.
+those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
+simply add. A graph's split count is sized for its longest context; the splits past a shorter
+sequence's last key neither compute nor write, and the sum reads only the others.
 
 An FP8 cache is dequantised in registers by folding its static per-channel scales into the
 math: s = q.(k*ks) = (q*ks).k, so q is scaled once per program, and sum_j a_j (v_j*vs) =
@@ -111,55 +111,33 @@ def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, 
 
 
 @_jit
-def _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G,
-                   D: tl.constexpr, GP: tl.constexpr, SC: tl.constexpr):
-    """Several splits per (sequence, KV head): each of the `used` programs that hold keys parks
-    its fp32 partial, and the last to finish adds them up (AsyncI has no normalisation:
-    disjoint key ranges simply add) and writes the output. No second kernel, and the sum reads
-    SC splits of the group's GP heads at once: a loop of one load per split put its L2 round
-    trips in series (batch 8: 1.13x slower steps than a separate sum kernel)."""
-    nkv, n_splits = tl.num_programs(1), tl.num_programs(2)
-    d = tl.arange(0, D)
-    row = (b.to(tl.int64) * nkv * G + kvh * G + g) * n_splits + split
-    tl.store(mid_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.debug_barrier()      # every thread's partial is out before the one atomic below releases them
-    cnt = cnt_ptr + b * nkv + kvh
-    if tl.atomic_add(cnt, 1, sem="acq_rel") == used - 1:
-        gg = tl.arange(0, GP)
-        head = kvh * G + gg
-        first = (b.to(tl.int64) * nkv * G + head) * n_splits
-        sc = tl.arange(0, SC)[:, None, None]
-        total = tl.zeros([GP, D], dtype=tl.float32)
-        for s0 in range(0, used, SC):
-            ptrs = mid_ptr + (first[None, :, None] + s0 + sc) * D + d[None, None, :]
-            mask = (s0 + sc < used) & (gg[None, :, None] < G)
-            total += tl.sum(tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg"), axis=0)
-        dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
-        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=(gg < G)[:, None])
-        tl.store(cnt, 0)    # ready for the next launch: graphs replay without a memset
-
-
-@_jit(do_not_specialize=["sbt", "sob", "soh", "S_PRE"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, mid_ptr, cnt_ptr, plen_ptr,
-                   pre_ptr, scale, sqb, sqh, sbt, sob, soh, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
-                   D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   SPLIT: tl.constexpr, GP: tl.constexpr, SC: tl.constexpr, FP8: tl.constexpr,
-                   PDL: tl.constexpr):
-    wait_for_prior(PDL)
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+def split_range(seq_ptr, plen_ptr, b, split, n_splits, BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
+    """Keys [lo, hi) of one split of sequence b, the splits holding keys (`used`; split 0 always
+    counts) and where the sequence's own keys start (past a shared prefix). Taken from the
+    device-side lengths: no host sync, any length is right, and a graph sized for its longest
+    context skips the splits past a shorter one's last key."""
     n_keys = tl.load(seq_ptr + b)
     start = 0
     if CASCADE:      # keys below the shared prefix's length were done by _prefix_kernel
         start = tl.minimum(tl.load(plen_ptr), n_keys)
-    # split ranges come from the device-side lengths: no host sync, any length is right
-    per = tl.cdiv(tl.cdiv(n_keys - start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    per = tl.cdiv(tl.cdiv(n_keys - start, n_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per
-    hi = tl.minimum(lo + per, n_keys)
-    used = tl.maximum(tl.cdiv(n_keys - start, tl.maximum(per, 1)), 1)   # split 0 always reports
-    if split < used:     # the splits past the last key do nothing (a graph sizes them for its longest context)
+    used = tl.maximum(tl.cdiv(n_keys - start, tl.maximum(per, 1)), 1)
+    return lo, tl.minimum(lo + per, n_keys), used, start
+
+
+@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
+                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
+                   D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
+                   FP8: tl.constexpr, PDL: tl.constexpr):
+    wait_for_prior(PDL)
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
+    if split < used:
         g = tl.arange(0, M)
         gmask = g < G
         head = kvh * G + g
@@ -176,11 +154,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, mid
                 row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
                 for s_ in range(S_PRE):
                     acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-        if SPLIT:
-            _add_up_splits(acc, mid_ptr, cnt_ptr, out_ptr, sob, soh, b, kvh, split, used, g, gmask, G, D, GP, SC)
-        else:
-            dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
-            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+        dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @_jit(do_not_specialize=["B", "S_PRE"])
@@ -219,15 +194,23 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
 
 
 @_jit(do_not_specialize=["S"])
-def _sum_splits_kernel(mid_ptr, out_ptr, sob, soh, S, D: tl.constexpr):
+def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr, SC: tl.constexpr,
+                       BLOCK_N: tl.constexpr, LENS: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
+    """out[b, h] = the sum of its splits' fp32 partials, SC splits a load (one L2 round
+    trip each, not one per split). LENS: a decode's, of which only the splits that held keys
+    wrote (split_range), as the decode kernel reads the lengths."""
+    wait_for_prior(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
-    nh = tl.num_programs(1)
+    used = S
+    if LENS:
+        _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
     d = tl.arange(0, D)
-    row = mid_ptr + ((b * nh + h) * S).to(tl.int64) * D + d
+    sc = tl.arange(0, SC)[:, None]
+    rows = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d[None, :]
     acc = tl.zeros([D], dtype=tl.float32)
-    for s in range(S):   # a run-time count: one compiled kernel for every split count
-        acc += tl.load(row + s * D)
+    for s0 in range(0, used, SC):   # a run-time count: one compiled kernel for every split count
+        acc += tl.sum(tl.load(rows + (s0 + sc) * D, mask=s0 + sc < used, other=0.0), axis=0)
     tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
 
 
@@ -292,7 +275,6 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     if splits is None:
         splits = num_splits(b, hkv, hint, sms)
     g = hq // hkv
-    gp = triton.next_power_of_2(g)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
     block_n = max(block_n, triton.next_power_of_2(int(pool_size)))
@@ -308,32 +290,14 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
             q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale),
             q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M,
             FP8=fp8, **consts, num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
-    mid, cnt = out, seq_lens      # stand-ins, never touched with one split
-    if splits > 1:
-        mid = torch.empty(b, hq, splits, d, dtype=torch.float32, device=q.device)
-        cnt = split_counters(q.device, b * hkv)
+    dst, strides = split_output(out, splits)
+    plen = prefix_len if s_pre else seq_lens
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sigma, out, mid, cnt, prefix_len if s_pre else seq_lens,
-        pre, float(scale), q.stride(0), q.stride(1), block_table.stride(0), out.stride(0), out.stride(1),
-        *k_cache.stride()[:3], g, s_pre, ks, vs, M=max(16, gp), CASCADE=s_pre > 0, SPLIT=splits > 1, GP=gp,
-        SC=max(1, 16 // gp), FP8=fp8, **consts, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
-    return out
-
-
-MAX_SPLIT_ROWS = 1 << 16
-_split_counters = {}
-
-
-def split_counters(device, rows):
-    """The decode kernel's arrival counters, one per (sequence, KV head), kept per device and
-    zero between launches (each launch's last programs reset theirs), so neither a launch nor a
-    graph replay pays a memset. Decode launches on one device must not overlap (the engine runs
-    one forward stream); the backend's warm-up allocates them before any graph capture."""
-    if rows > MAX_SPLIT_ROWS:
-        raise ValueError(f"split decode takes at most {MAX_SPLIT_ROWS} (sequence, KV head) pairs, got {rows}")
-    if device not in _split_counters:
-        _split_counters[device] = torch.zeros(MAX_SPLIT_ROWS, dtype=torch.int32, device=device)
-    return _split_counters[device]
+        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
+        q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
+        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, **consts, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(q))
+    return sum_splits(dst, out, splits, lens=(seq_lens, plen, block_n, s_pre > 0))
 
 
 def split_output(out, splits):
@@ -346,10 +310,14 @@ def split_output(out, splits):
             (hq * splits * d, splits * d, d))
 
 
-def sum_splits(dst, out, splits):
-    if splits > 1:   # AsyncI has no normalisation: the partials of disjoint key ranges add
-        _sum_splits_kernel[out.shape[:2]](dst, out, out.stride(0), out.stride(1), splits, D=out.shape[2],
-                                          num_warps=4)
+def sum_splits(dst, out, splits, lens=None):
+    """AsyncI has no normalisation: the partials of disjoint key ranges add. `lens`, a decode's
+    (seq_lens, prefix_len, BLOCK_N, cascade): only its splits that held keys wrote partials."""
+    if splits > 1:
+        seq, plen, block_n, cascade = lens or (out, out, 16, False)    # stand-ins, never read
+        _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, out.stride(0), out.stride(1), splits,
+                                          D=out.shape[2], SC=16, BLOCK_N=block_n, LENS=lens is not None,
+                                          CASCADE=cascade, num_warps=4, **pdl_args(out, lens is not None))
     return out
 
 
