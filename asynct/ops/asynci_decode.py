@@ -137,25 +137,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
-    if split < used:
-        g = tl.arange(0, M)
-        gmask = g < G
-        head = kvh * G + g
-        d = tl.arange(0, D)
-        q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
-                    mask=gmask[:, None], other=0.0)
-        q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
-        sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
-        bt_row = bt_ptr + b.to(tl.int64) * sbt
-        acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                          D, BS, BLOCK_N, P, RELU, PREC, FP8)
-        if CASCADE:
-            if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
-                row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
-                for s_ in range(S_PRE):
-                    acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
-        dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
-        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
+    g = tl.arange(0, M)
+    gmask = g < G
+    head = kvh * G + g
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
+                mask=gmask[:, None], other=0.0)
+    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
+    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt
+    acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8)
+    if CASCADE:
+        if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
+            row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
+            for s_ in range(S_PRE):
+                acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+    dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
+    # splits past the last key load and add nothing (lo >= hi) and leave no partial to sum
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (split < used))
 
 
 @_jit(do_not_specialize=["B", "S_PRE"])
@@ -196,21 +196,25 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
 @_jit(do_not_specialize=["S"])
 def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr, SC: tl.constexpr,
                        BLOCK_N: tl.constexpr, LENS: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
-    """out[b, h] = the sum of its splits' fp32 partials, SC splits a load (one L2 round
-    trip each, not one per split). LENS: a decode's, of which only the splits that held keys
-    wrote (split_range), as the decode kernel reads the lengths."""
+    """out[b, h] = the sum of its splits' fp32 partials in split order, SC loads in flight at
+    once. LENS: a decode's, of which only the splits that held keys wrote (split_range)."""
     wait_for_prior(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
+    d = tl.arange(0, D)
+    row = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d
     used = S
     if LENS:
         _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
-    d = tl.arange(0, D)
-    sc = tl.arange(0, SC)[:, None]
-    rows = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d[None, :]
     acc = tl.zeros([D], dtype=tl.float32)
-    for s0 in range(0, used, SC):   # a run-time count: one compiled kernel for every split count
-        acc += tl.sum(tl.load(rows + (s0 + sc) * D, mask=s0 + sc < used, other=0.0), axis=0)
+    for i in tl.static_range(SC):
+        # the first SC loads do not wait for `used`, they overlap the length's load (what they
+        # read of an unwritten split is dropped)
+        x = tl.load(row + i * D, mask=i < S, other=0.0)
+        acc += tl.where(i < used, x, 0.0)
+    for s0 in range(SC, used, SC):   # a run-time count: one compiled kernel for every split count
+        for i in tl.static_range(SC):
+            acc += tl.load(row + (s0 + i) * D, mask=s0 + i < used, other=0.0)
     tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
 
 
