@@ -194,27 +194,23 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
 
 
 @_jit(do_not_specialize=["S"])
-def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr, SC: tl.constexpr,
+def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, LENS: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
-    """out[b, h] = the sum of its splits' fp32 partials in split order, SC loads in flight at
-    once. LENS: a decode's, of which only the splits that held keys wrote (split_range)."""
-    wait_for_prior(PDL)
+    """out[b, h] = the sum of its splits' fp32 partials in split order. LENS: a decode's, of
+    which only the splits that held keys wrote (split_range); its lengths are read before the
+    PDL wait, so the loop does not start one L2 round trip late (H200, batch 32: 12.7 against
+    13.8 us a layer). Sixteen loads issued before the length was known were slower still."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     row = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d
     used = S
-    if LENS:
+    if LENS:   # host-written lengths, not the decode kernel's output: read while it finishes
         _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
+    wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
-    for i in tl.static_range(SC):
-        # the first SC loads do not wait for `used`, they overlap the length's load (what they
-        # read of an unwritten split is dropped)
-        x = tl.load(row + i * D, mask=i < S, other=0.0)
-        acc += tl.where(i < used, x, 0.0)
-    for s0 in range(SC, used, SC):   # a run-time count: one compiled kernel for every split count
-        for i in tl.static_range(SC):
-            acc += tl.load(row + (s0 + i) * D, mask=s0 + i < used, other=0.0)
+    for s in range(used):   # a run-time count: one compiled kernel for every split count
+        acc += tl.load(row + s * D)
     tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
 
 
@@ -320,7 +316,7 @@ def sum_splits(dst, out, splits, lens=None):
     if splits > 1:
         seq, plen, block_n, cascade = lens or (out, out, 16, False)    # stand-ins, never read
         _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, out.stride(0), out.stride(1), splits,
-                                          D=out.shape[2], SC=16, BLOCK_N=block_n, LENS=lens is not None,
+                                          D=out.shape[2], BLOCK_N=block_n, LENS=lens is not None,
                                           CASCADE=cascade, num_warps=4, **pdl_args(out, lens is not None))
     return out
 
