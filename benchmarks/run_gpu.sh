@@ -25,9 +25,11 @@ for s in $stages; do
              tests/test_async_scheduling.py tests/test_ops_attention.py tests/test_ops_elementwise.py \
              tests/test_fp8_kv.py tests/test_ops_fused_linear.py -q -p no:cacheprovider \
              2>&1 | tail -15 | tee $OUT/gputests.log ;;
-    issue13) # issue 13's targets in one call (~7 min on a fresh machine): decode steps against the
-             # roofline, prefill and dense decode against SDPA, bf16 parity against the torch backend
-             timeout 150 python3 benchmarks/small_batch.py --model $M 2>&1 | grep -v "^{" | tee $OUT/small_batch.log
+    issue13) # issue 13's targets in one call (~8 min on a fresh machine): decode steps against the
+             # roofline, decode attention chains, prefill and dense decode against SDPA, bf16 parity
+             # against the torch backend
+             timeout 220 python3 benchmarks/small_batch.py --model $M 2>&1 | grep -v "^{" | tee $OUT/small_batch.log
+             timeout 120 python3 benchmarks/decode_chain.py now 2>&1 | tee $OUT/decode_chain.log
              timeout 130 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log | tail -22
              timeout 120 python3 benchmarks/kernels.py 2>&1 | tee $OUT/kernels.log
              timeout 150 python3 benchmarks/bf16_parity.py --seeds 1 --no-attribution 2>&1 | tee $OUT/parity.log ;;
