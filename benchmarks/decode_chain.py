@@ -5,10 +5,11 @@ context 384, each layer its own cache and weights. Prints microseconds a layer.
     PYTHONPATH=. python3 benchmarks/decode_chain.py now [--batches 1,8,32,64]
 
 The kernels come from the `asynct` first on PYTHONPATH, so two commits compare in one run:
-    git archive <commit> asynct | tar -x -C /tmp/old
+    mkdir -p /tmp/old && git archive <commit> asynct | tar -x -C /tmp/old
     PYTHONPATH=/tmp/old python3 benchmarks/decode_chain.py old; PYTHONPATH=. python3 benchmarks/decode_chain.py now
 `max_len` is the host bound that sizes the split grid: 384 as eager steps pass it, 4,096 as a
-CUDA graph captured for long contexts does (more splits than the context fills)."""
+CUDA graph captured for long contexts does (more splits than the context fills). Above 16 rows
+(batch 32, 64) the projections run unfused (cuBLAS + the elementwise ops), without the KV store."""
 import argparse
 import importlib
 

@@ -18,7 +18,7 @@ import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E402
 
-from asynct.ops.asynci_decode import _sm_count  # noqa: E402
+from asynct.ops.asynci_common import _sm_count  # noqa: E402
 from asynct.ops.asynci_prefill import (PREFILL_CONFIGS, asynci_prefill_triton,  # noqa: E402
                                        plan_prefill)
 from kernels import BF, D, HKV, HQ, bench, n_sets, paged  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests runtime issue13 fp8 vllm parity sweep decode-sweep small-batch bench engine profile
+#   stages: smoke gputests runtime issue13 issue13-rest fp8 vllm parity sweep decode-sweep small-batch bench engine profile
 #           profile-gsm8k
 #           ablation cascade serve eval dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -25,14 +25,14 @@ for s in $stages; do
              tests/test_async_scheduling.py tests/test_ops_attention.py tests/test_ops_elementwise.py \
              tests/test_fp8_kv.py tests/test_ops_fused_linear.py -q -p no:cacheprovider \
              2>&1 | tail -15 | tee $OUT/gputests.log ;;
-    issue13) # issue 13's targets in one call (~8 min on a fresh machine): decode steps against the
-             # roofline, decode attention chains, prefill and dense decode against SDPA, bf16 parity
-             # against the torch backend
-             timeout 220 python3 benchmarks/small_batch.py --model $M 2>&1 | grep -v "^{" | tee $OUT/small_batch.log
-             timeout 120 python3 benchmarks/decode_chain.py now 2>&1 | tee $OUT/decode_chain.log
-             timeout 130 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log | tail -22
-             timeout 120 python3 benchmarks/kernels.py 2>&1 | tee $OUT/kernels.log
-             timeout 150 python3 benchmarks/bf16_parity.py --seeds 1 --no-attribution 2>&1 | tee $OUT/parity.log ;;
+    issue13) # issue 13's decode targets in one call (~6 min on a fresh machine): decode steps
+             # against the roofline, decode attention chains, dense decode and prefill against SDPA;
+             # `issue13-rest` (prefill plan sweep, bf16 parity) fits a second call
+             timeout 200 python3 benchmarks/small_batch.py --model $M 2>&1 | grep -v "^{" | tee $OUT/small_batch.log
+             timeout 100 python3 benchmarks/decode_chain.py now 2>&1 | tee $OUT/decode_chain.log
+             timeout 120 python3 benchmarks/kernels.py 2>&1 | tee $OUT/kernels.log ;;
+    issue13-rest) timeout 200 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log | tail -22
+             timeout 200 python3 benchmarks/bf16_parity.py --seeds 1 --no-attribution 2>&1 | tee $OUT/parity.log ;;
     fp8) timeout 300 python3 benchmarks/fp8_kv.py $M 2>&1 | grep -v "^{" | tee $OUT/fp8.log ;;
     vllm) timeout 120 python3 benchmarks/vllm_backend_gpu.py 2>&1 | tee $OUT/vllm.log ;;
     parity) timeout 300 python3 benchmarks/bf16_parity.py --seeds 1 2>&1 | tee $OUT/parity.log ;;

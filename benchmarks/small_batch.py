@@ -184,7 +184,7 @@ def steps_table(model, copy_bw, names, context=384):
           + " | roofline | fused / roofline")
     for b in batches:
         roof = (weights + b * context * kv_per_token) / (copy_bw * 1e12)
-        f = ms[list(modes)[-1]][b]
+        f = ms["fused"][b]
         print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) + " | " +
               " | ".join(f"{ms[n][b] / f:.2f}" for n in list(modes)[:-1]) +
               f" | {roof * 1e3:.3f} | {f / roof:.2f}", flush=True)
@@ -198,6 +198,9 @@ def main():
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--modes", default=",".join(MODES), help="engines of the step table, comma-separated")
     a = ap.parse_args()
+    names = a.modes.split(",")
+    if set(names) - set(MODES) or "fused" not in names:
+        ap.error(f"--modes: a comma-separated subset of {', '.join(MODES)}, with fused (the ratios' base)")
     print(torch.cuda.get_device_name())
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.2f} TB/s")
@@ -205,7 +208,7 @@ def main():
         ops_table(copy_bw, a.sweep)
     if not a.skip_engine:
         model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
-        steps_table(str(model), copy_bw, a.modes.split(","))
+        steps_table(str(model), copy_bw, names)
 
 
 if __name__ == "__main__":

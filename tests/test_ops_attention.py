@@ -216,7 +216,9 @@ def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
         return (dst.fill_(float("nan")) if splits > 1 else dst), strides
     monkeypatch.setattr(dec, "split_output", nan_filled)
     assert decode_case(asynci_decode_triton, [3, 100, 64, 1], 4, 2, 16, 4, 3, True, device=DEV, splits=16) < 1e-5
-    assert shared_prefix_case([40, 45, 50], 8, 4, 2, 16, 4, 3, True, device=DEV, splits=8) < 1e-5
+    # sequence 0 holds 38 keys past the 32-key prefix: 2 splits of 32 with the prefix's start,
+    # 1 without it, so a sum that forgot the prefix would read a split never written
+    assert shared_prefix_case([70, 100, 40], 8, 4, 2, 16, 4, 3, True, device=DEV, splits=8) < 1e-5
 
 
 def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=torch.float32,

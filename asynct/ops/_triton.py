@@ -67,8 +67,8 @@ def wait_for_prior(PDL: tl.constexpr):
 
 @jit
 def prefetch_l2(ptrs):
-    """Asks L2 for the cache lines holding `ptrs`: a hint that holds no registers and waits for
-    nothing. A program launched early (PDL) prefetches its weights this way while the kernel
+    """Asks L2 for the cache lines holding `ptrs`: a hint that keeps no data in registers and
+    waits for nothing. A program launched early (PDL) prefetches its weights this way while the kernel
     before still runs, then reads them from L2 after its wait."""
     tl.inline_asm_elementwise("mov.u32 $0, 0;\n\tprefetch.global.L2 [$1];", "=r,l", [ptrs.to(tl.int64)],
                               dtype=tl.int32, is_pure=False, pack=1)

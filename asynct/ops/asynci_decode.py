@@ -7,123 +7,21 @@ tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and 
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
 those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
 simply add. A graph's split count is sized for its longest context; the splits past a shorter
-sequence's last key neither compute nor write, and the sum reads only the others.
+sequence's last key load no keys and store nothing, and the sum reads only the others.
 
-An FP8 cache is dequantised in registers by folding its static per-channel scales into the
-math: s = q.(k*ks) = (q*ks).k, so q is scaled once per program, and sum_j a_j (v_j*vs) =
-vs * sum_j a_j v_j, so the accumulator is scaled once at the end; K/V tiles are only cast.
-Without FP8 (a constexpr) the kernels compile exactly as before."""
-import functools
-
+The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
+in asynci_common.py."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
-from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8
+from asynct.ops.asynci_common import (_sm_count, attend_keys, fold_k_scale, scale_args, split_output,
+                                      split_range, sum_splits)
+from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
-
-
-@_jit
-def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head,
-                 BS: tl.constexpr, D: tl.constexpr):
-    """Rows `keys` of one KV head from a paged cache [num_blocks, BS, HKV, D] of any strides
-    (s_blk, s_tok, s_head; unit stride along D) -> [N, D]. Strides let vLLM's block-major
-    cache [num_blocks, 2, BS, HKV, D] be read in place."""
-    blk = tl.load(bt_row_ptr + keys // BS, mask=mask, other=0)
-    row = blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
-    d = tl.arange(0, D)
-    return tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-
-
-@_jit
-def fold_k_scale(q, ks_ptr, kv_head, D: tl.constexpr, FP8: tl.constexpr):
-    """q [M, D] times the KV head's k scales: scores of q against raw FP8 keys are then exact."""
-    if FP8:
-        ks = tl.load(ks_ptr + kv_head * D + tl.arange(0, D))
-        qs = q.to(tl.float32) * ks[None, :]
-        # 16-bit queries go to fp16, so FP8 tiles convert to the dot's type in one instruction
-        # per pair (e4m3 -> bf16 takes four); |q| <= its DyHT weight, far inside fp16's range
-        if q.dtype == tl.float32:
-            q = qs
-        else:
-            q = qs.to(tl.float16)
-    return q
-
-
-@_jit
-def apply_v_scale(acc, vs_ptr, kv_head, D: tl.constexpr, FP8: tl.constexpr):
-    """An fp32 accumulator of a @ raw-FP8 values [M, D] -> a @ dequantised values."""
-    if FP8:
-        acc = acc * tl.load(vs_ptr + kv_head * D + tl.arange(0, D))[None, :]
-    return acc
-
-
-def scale_args(kv_cache, k_scale, v_scale, dummy):
-    """(k scale, v scale, FP8 flag) for a kernel launch; `dummy` stands in (never read) for a
-    cache that is not FP8, so the non-FP8 compile is unchanged."""
-    check_kv_scales(kv_cache, k_scale, v_scale)
-    fp8 = is_fp8(kv_cache.dtype)
-    return (k_scale, v_scale, fp8) if fp8 else (dummy, dummy, False)
-
-
-@_jit
-def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """a = clamp(s - sigma * mean(r[j-P+1..j]), 0, 1) over a [M, BLOCK_N] tile whose left
-    neighbour tile's r is `r_prev`. One index serves both: n-m for n >= m, else N+n-m."""
-    n = tl.arange(0, BLOCK_N)[None, :]
-    total = r
-    for m in tl.static_range(1, P):
-        idx = tl.broadcast_to((n - m + BLOCK_N) % BLOCK_N, r.shape)
-        cur = tl.gather(r, idx, axis=1)
-        prev = tl.gather(r_prev, idx, axis=1)
-        total += tl.where(n >= m, cur, prev)
-    lp = total / P
-    return tl.minimum(tl.maximum(s - sigma[:, None] * lp, 0.0), 1.0)
-
-
-@_jit
-def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
-    """fp32 [M, D]: AsyncI of the query rows `q` over keys [lo, hi) of one KV head, their pool
-    window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0)."""
-    n = tl.arange(0, BLOCK_N)
-    keys = lo - BLOCK_N + n
-    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-    acc = tl.zeros([q.shape[0], D], dtype=tl.float32)
-    for j0 in range(lo, hi, BLOCK_N):
-        keys = j0 + n
-        kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        v = load_kv_rows(v_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-        r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
-        a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
-        r_prev = r
-    return apply_v_scale(acc, vs_ptr, kvh, D, FP8)
-
-
-@_jit
-def split_range(seq_ptr, plen_ptr, b, split, n_splits, BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
-    """Keys [lo, hi) of one split of sequence b, the splits holding keys (`used`; split 0 always
-    counts) and where the sequence's own keys start (past a shared prefix). Taken from the
-    device-side lengths: no host sync, any length is right, and a graph sized for its longest
-    context skips the splits past a shorter one's last key."""
-    n_keys = tl.load(seq_ptr + b)
-    start = 0
-    if CASCADE:      # keys below the shared prefix's length were done by _prefix_kernel
-        start = tl.minimum(tl.load(plen_ptr), n_keys)
-    per = tl.cdiv(tl.cdiv(n_keys - start, n_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * per
-    used = tl.maximum(tl.cdiv(n_keys - start, tl.maximum(per, 1)), 1)
-    return lo, tl.minimum(lo + per, n_keys), used, start
 
 
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
@@ -191,32 +89,6 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared: a graph's prefix pass then costs a launch
     tl.store(dst, acc, mask=rmask[:, None] & (n_keys > 0))
-
-
-@_jit(do_not_specialize=["S"])
-def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, LENS: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
-    """out[b, h] = the sum of its splits' fp32 partials in split order. LENS: a decode's, of
-    which only the splits that held keys wrote (split_range); its lengths are read before the
-    PDL wait, so the loop does not start one L2 round trip late (H200, batch 32: 12.7 against
-    13.8 us a layer). Sixteen loads issued before the length was known were slower still."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, D)
-    row = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d
-    used = S
-    if LENS:   # host-written lengths, not the decode kernel's output: read while it finishes
-        _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
-    wait_for_prior(PDL)
-    acc = tl.zeros([D], dtype=tl.float32)
-    for s in range(used):   # a run-time count: one compiled kernel for every split count
-        acc += tl.load(row + s * D)
-    tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index):
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
@@ -297,28 +169,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, **consts, num_warps=num_warps,
         num_stages=num_stages, **pdl_args(q))
-    return sum_splits(dst, out, splits, lens=(seq_lens, plen, block_n, s_pre > 0))
-
-
-def split_output(out, splits):
-    """Where a kernel split `splits` ways over keys writes, and its (row, head, split) strides:
-    `out` itself for one split, else fp32 partials [rows, heads, splits, D] that `sum_splits` adds."""
-    if splits == 1:
-        return out, (out.stride(0), out.stride(1), 0)
-    rows, hq, d = out.shape
-    return (torch.empty(rows, hq, splits, d, dtype=torch.float32, device=out.device),
-            (hq * splits * d, splits * d, d))
-
-
-def sum_splits(dst, out, splits, lens=None):
-    """AsyncI has no normalisation: the partials of disjoint key ranges add. `lens`, a decode's
-    (seq_lens, prefix_len, BLOCK_N, cascade): only its splits that held keys wrote partials."""
-    if splits > 1:
-        seq, plen, block_n, cascade = lens or (out, out, 16, False)    # stand-ins, never read
-        _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, out.stride(0), out.stride(1), splits,
-                                          D=out.shape[2], BLOCK_N=block_n, LENS=lens is not None,
-                                          CASCADE=cascade, num_warps=4, **pdl_args(out, lens is not None))
-    return out
+    return sum_splits(dst, out, splits, lens=(seq_lens, plen, block_n, s_pre > 0), pdl=True)
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,

@@ -19,7 +19,7 @@ from collections import namedtuple
 import torch
 
 from asynct.ops._triton import jit as _jit, tl, triton
-from asynct.ops.asynci_decode import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
+from asynct.ops.asynci_common import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
                                       scale_args, split_output, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref

@@ -51,7 +51,8 @@ def cuda_decode_supported(q, kv_cache, pool_size=3):
 
 def asynci_decode_cuda(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
                        max_seq_len=None, splits=None):
-    from asynct.ops.asynci_decode import _sm_count, check_decode_args, num_splits
+    from asynct.ops.asynci_common import _sm_count
+    from asynct.ops.asynci_decode import check_decode_args, num_splits
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     if splits is None:
         hint = max_seq_len or block_table.shape[1] * kv_cache.shape[2]

@@ -4,20 +4,18 @@ DyHT. At batch 1-16 a decode step is bound by launches and ramp-ups, not bytes: 
 layer (cuBLAS added a split-K reduction to two of them) become 4 plus attention. DyHT has no
 reduction, so a program that owns a tile of output columns can finish it alone.
 
-Every program streams 16 weight rows (a 16-row dot with the <= 16 activation rows); RoPE and
-ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j), so their programs
-load the two halves as one 16-row tile and split the accumulator. The accumulator is rounded
-to the activation dtype before the epilogue, as the unfused ops receive it.
+The kernels are in fused_linear_kernels.py; this module checks, plans and launches them.
 
 Each op's `*_unfused` twin is the composition of the ops it fuses (their own dispatch: Triton on
 CUDA, torch references elsewhere): the test reference, and the path of CPUs and larger batches."""
 import torch
 import torch.nn.functional as F
 
-from asynct.ops._triton import jit as _jit, pdl_args, prefetch_l2, tl, triton, wait_for_prior
-from asynct.ops.asynci_decode import _sm_count, scale_args
+from asynct.ops._triton import pdl_args, triton
+from asynct.ops.asynci_common import _sm_count, scale_args
 from asynct.ops.dyht import _param_stride, dyht_add
-from asynct.ops.kv_cache import check_kv_cache, store_cache_rows
+from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
+from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
@@ -43,128 +41,6 @@ def linear_reglu_unfused(x, weight):
 
 def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     return dyht_add(F.linear(x, weight), residual, alpha, dyht_weight, post_alpha, post_weight)
-
-
-@_jit
-def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-              LINES: tl.constexpr):
-    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype. Before the wait for the
-    kernel before (PDL), the program asks L2 for its weight rows, LINES 128-byte lines per row
-    and K tile (0: no prefetch). Loading them into registers instead lost: all of K (<= 1,024)
-    made decode steps 1.15x slower, the first K tile gained nothing. benchmarks/RESULTS.md."""
-    m = tl.arange(0, BLOCK_M)[:, None]
-    xp = x_ptr + m * sx
-    wp = w_ptr + rows.to(tl.int64)[:, None] * K
-    if LINES > 0:
-        base = w_ptr + tl.where(rmask, rows, 0).to(tl.int64)[:, None] * K
-        line = tl.arange(0, LINES)[None, :] * (BLOCK_K // LINES)
-        for k0 in range(0, K, BLOCK_K):
-            prefetch_l2(base + tl.minimum(k0 + line, K - 1))
-    wait_for_prior(PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
-        if EVEN_K:
-            x = tl.load(xp + kk, mask=m < M, other=0.0)
-            w = tl.load(wp + kk, mask=rmask[:, None], other=0.0)
-        else:
-            x = tl.load(xp + kk, mask=(m < M) & (kk < K), other=0.0)
-            w = tl.load(wp + kk, mask=rmask[:, None] & (kk < K), other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@_jit
-def _halves(acc, BLOCK_M: tl.constexpr, HB: tl.constexpr):
-    """[BLOCK_M, 2 * HB] -> its first and second HB columns."""
-    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HB)), (0, 2, 1)))
-
-
-@_jit
-def _dyht(x, a_ptr, w_ptr, cols, sa, sw):
-    a = tl.load(a_ptr + cols * sa).to(tl.float32)
-    w = tl.load(w_ptr + cols * sw).to(tl.float32)
-    return w[None, :] * tl.minimum(tl.maximum(a[None, :] * x, -1.0), 1.0)
-
-
-@_jit(do_not_specialize=["M", "HQ", "HKV"])
-def _qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K, HQ, HKV,
-                     qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw,
-                     kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head,
-                     HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr, LINES: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr,
-                     FP8: tl.constexpr):
-    # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
-    per_head: tl.constexpr = HALF // HB
-    head = tl.program_id(0) // per_head
-    d0 = (tl.program_id(0) % per_head) * HB
-    j = tl.arange(0, 2 * HB)
-    rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
-    lo, hi = _halves(acc, BLOCK_M, HB)
-    m = tl.arange(0, BLOCK_M)[:, None]
-    d = d0 + tl.arange(0, HB)
-    if head < HQ + HKV:
-        if head < HQ:
-            lo, hi = _dyht(lo, qa_ptr, qw_ptr, d, sqa, sqw), _dyht(hi, qa_ptr, qw_ptr, d + HALF, sqa, sqw)
-            out, h, nh, cache, scales = q_ptr, head, HQ, kc_ptr, ks_ptr
-        else:
-            lo, hi = _dyht(lo, ka_ptr, kw_ptr, d, ska, skw), _dyht(hi, ka_ptr, kw_ptr, d + HALF, ska, skw)
-            out, h, nh, cache, scales = k_ptr, head - HQ, HKV, kc_ptr, ks_ptr
-        cs = cs_ptr + tl.load(pos_ptr + m, mask=m < M, other=0) * (2 * HALF) + d[None, :]
-        cos, sin = tl.load(cs), tl.load(cs + HALF)
-        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
-    else:
-        out, h, nh, cache, scales = v_ptr, head - HQ - HKV, HKV, vc_ptr, vs_ptr
-    ty = q_ptr.dtype.element_ty
-    lo, hi = lo.to(ty), hi.to(ty)     # the cache gets k and v as the unfused path stores them
-    if WRITE_KV and head >= HQ:       # this step's keys and values go straight to the cache
-        slot = tl.load(slot_ptr + m, mask=m < M, other=-1)
-        ok, dd = (m < M) & (slot >= 0), d[None, :]
-        store_cache_rows(cache, scales, slot, h, dd, lo, ok, dd >= 0, s_blk, s_tok, s_head, BS, 2 * HALF, FP8)
-        store_cache_rows(cache, scales, slot, h, dd + HALF, hi, ok, dd >= 0, s_blk, s_tok, s_head, BS,
-                         2 * HALF, FP8)
-    else:
-        dst = out + (m * nh + h) * (2 * HALF) + d[None, :]
-        tl.store(dst, lo, mask=m < M)
-        tl.store(dst + HALF, hi, mask=m < M)
-
-
-@_jit(do_not_specialize=["M"])
-def _gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                          PDL: tl.constexpr, LINES: tl.constexpr):
-    # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
-    j = tl.arange(0, 2 * HB)
-    n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
-    rows = tl.where(j < HB, n, n + I)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
-    gate, up = _halves(acc, BLOCK_M, HB)
-    m = tl.arange(0, BLOCK_M)[:, None]
-    cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
-    tl.store(out_ptr + m * I + cols, (tl.maximum(gate, 0.0) * up).to(out_ptr.dtype.element_ty),
-             mask=(m < M) & (cols < I))
-
-
-@_jit(do_not_specialize=["M"])
-def _linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, dw_ptr, pa_ptr, pw_ptr,
-                            M, K, N, sa, sw, spa, spw, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = cols < N
-    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
-    safe = tl.where(cmask, cols, 0)
-    if HAS_POST:
-        h = _dyht(h, pa_ptr, pw_ptr, safe, spa, spw)
-    m = tl.arange(0, BLOCK_M)[:, None]
-    offs, mask = m * N + cols[None, :], (m < M) & cmask[None, :]
-    h = (h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(hid_ptr.dtype.element_ty)
-    tl.store(hid_ptr + offs, h, mask=mask)
-    n = _dyht(h.to(tl.float32), a_ptr, dw_ptr, safe, sa, sw)     # from the rounded hidden, as unfused
-    tl.store(out_ptr + offs, n.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # What the kernels take, as the reason they cannot (None: they can): the *_triton functions
@@ -199,7 +75,8 @@ def _check(*problems):
 
 
 def _tiles(x, k, tiles):
-    """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION) and the launch options for `tiles` programs over a
+    """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION, LINES: 128-byte lines of each weight row and K tile
+    to prefetch into L2 before the PDL wait) and the launch options for `tiles` programs over a
     K-wide stream. Fewer programs than SMs (a 1,024-column projection: 64) each keep more bytes
     in flight (H200, benchmarks/small_batch.py --sweep: o_proj 4.1 -> 3.9 us, down 7.5 -> 6.7);
     more tiles than SMs (gate/up: 384) run best as 2-warp programs (7.0 -> 6.2 us).
@@ -211,8 +88,8 @@ def _tiles(x, k, tiles):
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = pdl_args(x)
-    # only where every program starts in the first wave (QKV, o_proj, down: 1.12-1.17x faster
-    # ops at 1-16 rows); gate/up's 384 programs were 1.03-1.08x slower with it
+    # only where every program starts in the first wave: QKV and o_proj 1.11-1.16x faster ops at
+    # 1-16 rows, down 1.02x at 1 row and 0.97x at 8-16; gate/up's 384 programs 1.03-1.08x slower
     lines = max(1, block_k * x.element_size() // 128) if pdl["PDL"] and L2_PREFETCH and tiles < sms else 0
     return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
                 num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4,
@@ -259,7 +136,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
                                 for _ in range(2))
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
-    _qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
+    qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
                                num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
                                HALF=d // 2, HB=HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8,
                                **_tiles(x, k, tiles))
@@ -273,7 +150,7 @@ def linear_reglu_triton(x, weight):
     (t, k), i = x.shape, weight.shape[0] // 2
     out = torch.empty(t, i, dtype=x.dtype, device=x.device)
     tiles = triton.cdiv(i, HALF_TILE)
-    _gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=HALF_TILE,
+    gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=HALF_TILE,
                                     **_tiles(x, k, tiles))
     return out
 
@@ -289,7 +166,7 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
     strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
     tiles = triton.cdiv(n, TILE_N)
-    _linear_dyht_add_kernel[(tiles,)](
+    linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
         *strides, HAS_POST=has_post, BLOCK_N=TILE_N, **_tiles(x, k, tiles))
     return hidden, normed

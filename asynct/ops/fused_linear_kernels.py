@@ -1,0 +1,130 @@
+"""The Triton kernels of fused_linear.py: decode-sized linears (at most 16 rows) with their
+elementwise epilogue. Every program streams 16 weight rows (a 16-row dot with the <= 16
+activation rows); RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j
+and up j), so their programs load the two halves as one 16-row tile and split the
+accumulator. The accumulator is rounded to the activation dtype before the epilogue, as the
+unfused ops receive it."""
+from asynct.ops._triton import jit as _jit, prefetch_l2, tl, wait_for_prior
+from asynct.ops.kv_cache import store_cache_rows
+
+
+@_jit
+def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+              LINES: tl.constexpr):
+    """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype. Before the wait for the
+    kernel before (PDL), the program asks L2 for its weight rows, LINES 128-byte lines per row
+    and K tile (0: no prefetch). Loading them into registers instead lost: all of K (<= 1,024)
+    made decode steps 1.15x slower, the first K tile gained nothing. benchmarks/RESULTS.md."""
+    m = tl.arange(0, BLOCK_M)[:, None]
+    xp = x_ptr + m * sx
+    wp = w_ptr + rows.to(tl.int64)[:, None] * K
+    if LINES > 0:
+        base = w_ptr + tl.where(rmask, rows, 0).to(tl.int64)[:, None] * K
+        line = tl.arange(0, LINES)[None, :] * (BLOCK_K // LINES)
+        for k0 in range(0, K, BLOCK_K):
+            prefetch_l2(base + tl.minimum(k0 + line, K - 1))
+    wait_for_prior(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)[None, :]
+        if EVEN_K:
+            x = tl.load(xp + kk, mask=m < M, other=0.0)
+            w = tl.load(wp + kk, mask=rmask[:, None], other=0.0)
+        else:
+            x = tl.load(xp + kk, mask=(m < M) & (kk < K), other=0.0)
+            w = tl.load(wp + kk, mask=rmask[:, None] & (kk < K), other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@_jit
+def _halves(acc, BLOCK_M: tl.constexpr, HB: tl.constexpr):
+    """[BLOCK_M, 2 * HB] -> its first and second HB columns."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HB)), (0, 2, 1)))
+
+
+@_jit
+def _dyht(x, a_ptr, w_ptr, cols, sa, sw):
+    a = tl.load(a_ptr + cols * sa).to(tl.float32)
+    w = tl.load(w_ptr + cols * sw).to(tl.float32)
+    return w[None, :] * tl.minimum(tl.maximum(a[None, :] * x, -1.0), 1.0)
+
+
+@_jit(do_not_specialize=["M", "HQ", "HKV"])
+def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K, HQ, HKV,
+                     qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw,
+                     kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head,
+                     HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr, LINES: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr,
+                     FP8: tl.constexpr):
+    # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
+    per_head: tl.constexpr = HALF // HB
+    head = tl.program_id(0) // per_head
+    d0 = (tl.program_id(0) % per_head) * HB
+    j = tl.arange(0, 2 * HB)
+    rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
+    lo, hi = _halves(acc, BLOCK_M, HB)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    d = d0 + tl.arange(0, HB)
+    if head < HQ + HKV:
+        if head < HQ:
+            lo, hi = _dyht(lo, qa_ptr, qw_ptr, d, sqa, sqw), _dyht(hi, qa_ptr, qw_ptr, d + HALF, sqa, sqw)
+            out, h, nh, cache, scales = q_ptr, head, HQ, kc_ptr, ks_ptr
+        else:
+            lo, hi = _dyht(lo, ka_ptr, kw_ptr, d, ska, skw), _dyht(hi, ka_ptr, kw_ptr, d + HALF, ska, skw)
+            out, h, nh, cache, scales = k_ptr, head - HQ, HKV, kc_ptr, ks_ptr
+        cs = cs_ptr + tl.load(pos_ptr + m, mask=m < M, other=0) * (2 * HALF) + d[None, :]
+        cos, sin = tl.load(cs), tl.load(cs + HALF)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    else:
+        out, h, nh, cache, scales = v_ptr, head - HQ - HKV, HKV, vc_ptr, vs_ptr
+    ty = q_ptr.dtype.element_ty
+    lo, hi = lo.to(ty), hi.to(ty)     # the cache gets k and v as the unfused path stores them
+    if WRITE_KV and head >= HQ:       # this step's keys and values go straight to the cache
+        slot = tl.load(slot_ptr + m, mask=m < M, other=-1)
+        ok, dd = (m < M) & (slot >= 0), d[None, :]
+        store_cache_rows(cache, scales, slot, h, dd, lo, ok, dd >= 0, s_blk, s_tok, s_head, BS, 2 * HALF, FP8)
+        store_cache_rows(cache, scales, slot, h, dd + HALF, hi, ok, dd >= 0, s_blk, s_tok, s_head, BS,
+                         2 * HALF, FP8)
+    else:
+        dst = out + (m * nh + h) * (2 * HALF) + d[None, :]
+        tl.store(dst, lo, mask=m < M)
+        tl.store(dst + HALF, hi, mask=m < M)
+
+
+@_jit(do_not_specialize=["M"])
+def gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                          PDL: tl.constexpr, LINES: tl.constexpr):
+    # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
+    j = tl.arange(0, 2 * HB)
+    n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
+    rows = tl.where(j < HB, n, n + I)
+    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
+    gate, up = _halves(acc, BLOCK_M, HB)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
+    tl.store(out_ptr + m * I + cols, (tl.maximum(gate, 0.0) * up).to(out_ptr.dtype.element_ty),
+             mask=(m < M) & (cols < I))
+
+
+@_jit(do_not_specialize=["M"])
+def linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, dw_ptr, pa_ptr, pw_ptr,
+                            M, K, N, sa, sw, spa, spw, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                            PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
+    safe = tl.where(cmask, cols, 0)
+    if HAS_POST:
+        h = _dyht(h, pa_ptr, pw_ptr, safe, spa, spw)
+    m = tl.arange(0, BLOCK_M)[:, None]
+    offs, mask = m * N + cols[None, :], (m < M) & cmask[None, :]
+    h = (h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(hid_ptr.dtype.element_ty)
+    tl.store(hid_ptr + offs, h, mask=mask)
+    n = _dyht(h.to(tl.float32), a_ptr, dw_ptr, safe, sa, sw)     # from the rounded hidden, as unfused
+    tl.store(out_ptr + offs, n.to(out_ptr.dtype.element_ty), mask=mask)
