@@ -130,6 +130,18 @@ PREFIX_BLOCK_M = 64
 PREFIX_WARPS = 4
 
 
+def _prefix_pass(q, kv_cache, block_table, prefix_len, sigma, scale, fp8_args, s_pre, consts, num_stages):
+    """The shared prefix's fp32 partials [B, Hq, s_pre, D] (_prefix_kernel)."""
+    (b, hq, d), hkv = q.shape, kv_cache.shape[3]
+    g, (ks, vs, fp8) = hq // hkv, fp8_args
+    pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
+    _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
+        q, kv_cache[0], kv_cache[1], block_table, prefix_len, sigma, pre, float(scale), q.stride(0), q.stride(1),
+        b, *kv_cache[0].stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M, FP8=fp8, **consts,
+        num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
+    return pre
+
+
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
                          out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None,
                          block_n=BLOCK_N, num_warps=4, num_stages=2,
@@ -157,11 +169,8 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     s_pre, pre = 0, out
     if prefix_len is not None:
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
-        pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
-        _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
-            q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale),
-            q.stride(0), q.stride(1), b, *k_cache.stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M,
-            FP8=fp8, **consts, num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
+        pre = _prefix_pass(q, kv_cache, block_table, prefix_len, sigma, scale, (ks, vs, fp8), s_pre, consts,
+                           num_stages)
     dst, strides = split_output(out, splits)
     plen = prefix_len if s_pre else seq_lens
     _decode_kernel[(b, hkv, splits)](
