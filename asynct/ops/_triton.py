@@ -32,6 +32,11 @@ def jit(fn=None, **options):
     return triton.jit(fn, **options) if triton is not None else fn
 
 
+def pow2(n: int) -> bool:
+    """Whether n is a power of two: the head sizes the Triton kernels' tl.arange takes."""
+    return n & (n - 1) == 0
+
+
 @functools.lru_cache(maxsize=None)
 def _pdl_device(device_index) -> bool:
     import torch

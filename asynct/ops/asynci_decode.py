@@ -13,7 +13,7 @@ The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, s
 in asynci_common.py."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
 from asynct.ops.asynci_common import (_sm_count, attend_keys, fold_k_scale, scale_args, split_output,
                                       split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
@@ -70,10 +70,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    n_keys = tl.load(plen_ptr)
-    per = tl.cdiv(tl.cdiv(n_keys, S_PRE), BLOCK_N) * BLOCK_N
-    lo = split * per
-    hi = tl.minimum(lo + per, n_keys)
+    lo, hi, _, _ = split_range(plen_ptr, plen_ptr, 0, split, S_PRE, BLOCK_N, False)
 
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     b = rows // G
@@ -87,8 +84,9 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                       D, BS, BLOCK_N, P, RELU, PREC, FP8)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
-    # nothing to store when no prefix is shared: a graph's prefix pass then costs a launch
-    tl.store(dst, acc, mask=rmask[:, None] & (n_keys > 0))
+    # nothing to store when no prefix is shared (hi is 0 exactly then): a graph's prefix pass
+    # then costs a launch
+    tl.store(dst, acc, mask=rmask[:, None] & (hi > 0))
 
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
@@ -105,7 +103,7 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
     hkv = kv_cache.shape[3]
     if kv_cache.shape[4] != d or hq % hkv:
         raise ValueError(f"q heads {hq} / head_dim {d} do not fit the cache {tuple(kv_cache.shape)}")
-    if d & (d - 1) or d < 16:
+    if not pow2(d) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
     if block_table.dim() != 2 or block_table.shape[0] < b or block_table.dtype != torch.int32:
         raise ValueError("block_table must be int32 [B, max_blocks]")

@@ -18,7 +18,7 @@ from collections import namedtuple
 
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, pow2, tl, triton
 from asynct.ops.asynci_common import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
                                       scale_args, split_output, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
@@ -158,7 +158,7 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
     t, hq, d = q.shape
     if kv_cache.shape[4] != d or hq % kv_cache.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(kv_cache.shape)}")
-    if d & (d - 1) or d < 16:
+    if not pow2(d) or d < 16:
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
     b = seq_lens.shape[0]
     if query_start_loc.shape != (b + 1,) or query_start_loc.dtype != torch.int32:

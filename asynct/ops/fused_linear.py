@@ -11,7 +11,7 @@ CUDA, torch references elsewhere): the test reference, and the path of CPUs and 
 import torch
 import torch.nn.functional as F
 
-from asynct.ops._triton import pdl_args, triton
+from asynct.ops._triton import pdl_args, pow2, triton
 from asynct.ops.asynci_common import _sm_count, scale_args
 from asynct.ops.dyht import _param_stride, dyht_add
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
@@ -55,7 +55,7 @@ def _operands_problem(x, weight):
 
 
 def _head_dim_problem(d):
-    if d < 2 * HALF_TILE or d & (d - 1):
+    if d < 2 * HALF_TILE or not pow2(d):
         return f"head_dim must be a power of two >= {2 * HALF_TILE}, got {d}"
     return None
 

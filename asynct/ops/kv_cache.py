@@ -8,7 +8,7 @@ An FP8 (e4m3) cache stores x / scale with static per-(KV head, channel) scales [
 of becoming NaN, and readers multiply the scale back in registers."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
 
 
 def check_kv_cache(kv_cache):
@@ -100,7 +100,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, T, 
 def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     _check(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     t, h, d = k.shape
-    if d & (d - 1):
+    if not pow2(d):
         raise ValueError(f"head_dim must be a power of two, got {d}")
     if t == 0:
         return
@@ -116,6 +116,6 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=No
 
 def write_kv_cache(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     d = kv_cache.shape[-1]      # head sizes not a power of two (the torch backend) take the reference
-    fast = kv_cache.is_cuda and triton is not None and d & (d - 1) == 0
+    fast = kv_cache.is_cuda and triton is not None and pow2(d)
     fn = write_kv_cache_triton if fast else write_kv_cache_ref
     fn(k, v, kv_cache, slot_mapping, k_scale, v_scale)

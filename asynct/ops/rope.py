@@ -4,7 +4,7 @@ The fused kernel reads q and k straight from their strided views of the QKV outp
 DyHT per head vector and rotates in fp32: one read and one write per element."""
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, pow2, tl, triton
 
 
 def rope_cos_sin_cache(head_dim, max_positions, theta=10000.0, device=None):
@@ -80,7 +80,7 @@ def _check(x, name):
     if x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % 2:
         raise ValueError(f"{name} must be [T, H, D] with unit last stride and even D, "
                          f"got shape {tuple(x.shape)} strides {x.stride()}")
-    if x.shape[-1] & (x.shape[-1] - 1):
+    if not pow2(x.shape[-1]):
         raise ValueError(f"{name}: head_dim must be a power of two, got {x.shape[-1]}")
 
 
@@ -128,7 +128,7 @@ def rope_triton(x, positions, cos_sin_cache):
 def _use_triton(x):
     """CUDA heads of a power-of-two size; others (head_dim 24 under the torch backend) the reference."""
     d = x.shape[-1]
-    return x.is_cuda and triton is not None and d & (d - 1) == 0
+    return x.is_cuda and triton is not None and pow2(d)
 
 
 def rope(x, positions, cos_sin_cache):

@@ -26,6 +26,7 @@ import torch
 from asynct.integrations.vllm import paged_torch
 from asynct.ops import (asynci_decode, asynci_decode_triton, asynci_prefill, asynci_prefill_triton,
                         write_kv_cache, write_kv_cache_ref, write_kv_cache_triton)
+from asynct.ops._triton import pow2
 
 PATHS = ("ops", "triton", "torch")
 
@@ -44,7 +45,7 @@ KERNELS = {
 
 
 def kernels_take_head_size(head_size: int) -> bool:
-    return head_size >= 16 and head_size & (head_size - 1) == 0
+    return head_size >= 16 and pow2(head_size)
 
 
 def choose_path(device: torch.device, head_size: int) -> str:
