@@ -305,6 +305,27 @@ def test_prefill_split_keys_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx,
     assert err < 1e-5
 
 
+def test_prefill_split_sum_reads_only_written_partials(monkeypatch):
+    """Every partial the prefill's split sum adds was written (NaN-filled here): the slices that
+    hold no key of a row included (they add zeros), after cached prefixes, G = 3; and a split
+    count past what the sum is compiled for is refused."""
+    import importlib
+    pre = importlib.import_module("asynct.ops.asynci_prefill")
+    split_output = pre.split_output
+
+    def nan_filled(out, splits):
+        dst, strides = split_output(out, splits)
+        return (dst.fill_(float("nan")) if splits > 1 else dst), strides
+    monkeypatch.setattr(pre, "split_output", nan_filled)
+    for splits in (3, pre.MAX_SPLITS):
+        err = prefill_case(asynci_prefill_triton, [30, 5, 70], [20, 64, 0], 6, 2, 16, 8, 3, True,
+                           device=DEV, block_m=16, block_n=16, splits=splits)
+        assert err < 1e-5
+    with pytest.raises(ValueError, match="key splits"):
+        prefill_case(asynci_prefill_triton, [30], [0], 4, 2, 16, 8, 3, True, device=DEV, block_m=16,
+                     block_n=16, splits=pre.MAX_SPLITS + 1)
+
+
 def test_prefill_plan_uses_only_the_fixed_configs():
     """Short prompts get the split config and key splits, long ones the whole-key config
     unsplit; every plan is one of PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""

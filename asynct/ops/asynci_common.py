@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, wait_for_prior
+from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
 from asynct.ops.kv_cache import check_kv_scales, is_fp8
 
 
@@ -116,18 +116,17 @@ def split_range(seq_ptr, plen_ptr, b, split, n_splits, BLOCK_N: tl.constexpr, CA
 
 @_jit(do_not_specialize=["S"])
 def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, LENS: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
-    """out[b, h] = the sum of its splits' fp32 partials in split order. LENS: a decode's, of
-    which only the splits that held keys wrote (split_range); its lengths are read before the
-    PDL wait, so the loop does not start one L2 round trip late (H200, batch 32: 12.7 against
-    13.8 us a layer). Sixteen loads issued before the length was known were slower still."""
+                       BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
+    """out[b, h] = the sum of a decode's fp32 partials in split order, of only the splits that
+    held keys (split_range). The lengths are read before the PDL wait (host-written, not the
+    decode kernel's output), so the loop does not start one L2 round trip late (H200, batch 32:
+    12.7 against 13.8 us a layer). Sixteen loads issued before the length was known were slower
+    still."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
     row = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d
-    used = S
-    if LENS:   # host-written lengths, not the decode kernel's output: read while it finishes
-        _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
+    _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
     for s in range(used):   # a run-time count: one compiled kernel for every split count
@@ -150,13 +149,43 @@ def split_output(out, splits):
             (hq * splits * d, splits * d, d))
 
 
-def sum_splits(dst, out, splits, lens=None, pdl=False):
-    """AsyncI has no normalisation: the partials of disjoint key ranges add. `lens`, a decode's
-    (seq_lens, prefix_len, BLOCK_N, cascade): only its splits that held keys wrote partials.
-    `pdl`: launch with programmatic dependent launch (decode; prefill's split plans lost with it)."""
+def sum_splits(dst, out, splits, lens):
+    """AsyncI has no normalisation: the partials of disjoint key ranges add. A decode's: only
+    its splits that held keys wrote partials, known from `lens` (seq_lens, prefix_len, BLOCK_N,
+    cascade). Launched with programmatic dependent launch where the device has it."""
     if splits > 1:
-        seq, plen, block_n, cascade = lens or (out, out, 16, False)    # stand-ins, never read
+        seq, plen, block_n, cascade = lens
         _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, out.stride(0), out.stride(1), splits,
-                                          D=out.shape[2], BLOCK_N=block_n, LENS=lens is not None,
-                                          CASCADE=cascade, num_warps=4, **pdl_args(out, pdl))
+                                          D=out.shape[2], BLOCK_N=block_n, CASCADE=cascade, num_warps=4,
+                                          **pdl_args(out))
+    return out
+
+
+@_jit(do_not_specialize=["S"])
+def _sum_all_splits_kernel(mid_ptr, out_ptr, sot, soh, H, S, HP: tl.constexpr, D: tl.constexpr,
+                           MAX_S: tl.constexpr):
+    """out[t] = the sum of row t's S fp32 partials in split order, all its heads at once, every
+    load issued before the first add (S <= MAX_S; the loads past S are masked off). A prefill
+    has thousands of rows: one program a (row, head) adding one dependent load after another
+    left the sum latency-bound."""
+    t = tl.program_id(0)
+    h = tl.arange(0, HP)[:, None]
+    d = tl.arange(0, D)[None, :]
+    mask = h < H
+    row = mid_ptr + ((t.to(tl.int64) * H + h) * S) * D + d
+    acc = tl.zeros([HP, D], dtype=tl.float32)
+    for s in tl.static_range(MAX_S):
+        acc += tl.load(row + s * D, mask=mask & (s < S), other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_all_splits(dst, out, splits, max_splits):
+    """`sum_splits` of a prefill, whose every split wrote a partial of every row (zeros where it
+    holds no key of that row); `max_splits`, the most it ever launches, fixes the one compile."""
+    if splits > max_splits:
+        raise ValueError(f"{splits} key splits, more than the {max_splits} the sum is compiled for")
+    if splits > 1:
+        t, h, d = out.shape
+        _sum_all_splits_kernel[(t,)](dst, out, out.stride(0), out.stride(1), h, splits,
+                                     HP=triton.next_power_of_2(h), D=d, MAX_S=max_splits, num_warps=4)
     return out

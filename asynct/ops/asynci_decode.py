@@ -30,19 +30,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
                    FP8: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # host-written lengths and the parameters: read while the kernel before finishes
     lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
     g = tl.arange(0, M)
     gmask = g < G
     head = kvh * G + g
     d = tl.arange(0, D)
+    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
+    wait_for_prior(PDL)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
                 mask=gmask[:, None], other=0.0)
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
-    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                       D, BS, BLOCK_N, P, RELU, PREC, FP8)
@@ -176,7 +177,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, **consts, num_warps=num_warps,
         num_stages=num_stages, **pdl_args(q))
-    return sum_splits(dst, out, splits, lens=(seq_lens, plen, block_n, s_pre > 0), pdl=True)
+    return sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,

@@ -11,7 +11,7 @@ its scales into q and the accumulator, as in asynci_decode.
 Short prompts give few programs (one 512-token prompt: 32 for 132 SMs), so the launch plan
 (`plan_prefill`) takes smaller query tiles and, if that is still too few, splits each query
 tile's key range over programs: AsyncI has no normalisation, so the partials of disjoint key
-ranges add (fp32, summed by the decode's split-sum kernel). A split recomputes the pool's halo,
+ranges add (fp32, summed by asynci_common.sum_all_splits). A split recomputes the pool's halo,
 the P-1 scores left of its first key, as the decode kernel does."""
 import math
 from collections import namedtuple
@@ -20,7 +20,7 @@ import torch
 
 from asynct.ops._triton import jit as _jit, pow2, tl, triton
 from asynct.ops.asynci_common import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
-                                      scale_args, split_output, sum_splits)
+                                      scale_args, split_output, sum_all_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -227,6 +227,8 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size)
     splits = splits or (plan_splits if block_m is None else 1)
+    if splits > MAX_SPLITS:
+        raise ValueError(f"{splits} key splits, more than the {MAX_SPLITS} the split sum is compiled for")
     block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
     if pool_size - 1 > block_n:   # the band products reach back one key tile only
         raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
@@ -244,7 +246,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         num_stages=num_stages or cfg.num_stages)
     # launched plainly: with programmatic dependent launch the split sum's programs came in
     # early and the split plans ran 1.07-1.14x slower (2K tokens: 74.3 against 65.4 us)
-    return sum_splits(dst, out, splits)
+    return sum_all_splits(dst, out, splits, MAX_SPLITS)
 
 
 def prefill_variants(pool_size=1):
