@@ -1,7 +1,7 @@
 """Kernel timings on the GPU against the device's copy bandwidth and torch SDPA, measured in
 the same run. Seed-model shapes: 8 query / 4 KV heads of 128, bf16, hidden 1024, inter 3072.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [--sweep]
+    PYTHONPATH=. python3 benchmarks/kernels.py [elementwise] [decode] [prefill] [--sweep]   (default: all three)
 
 Each timing replays a CUDA graph that runs the op once on each of several input sets, so the
 inputs together are several times the 60 MB L2 (every op reads HBM) and launch gaps are the
@@ -193,9 +193,9 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.2f} TB/s (read + write)")
-    elementwise(copy_bw)
-    decode(copy_bw, sweep)
-    prefill(copy_bw, sweep)
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["elementwise", "decode", "prefill"]:
+        {"elementwise": elementwise, "decode": lambda bw: decode(bw, sweep),
+         "prefill": lambda bw: prefill(bw, sweep)}[name](copy_bw)
     print("\n| op | shape | kernel | time (us) | TB/s | TFLOP/s | / copy BW | SDPA time / time |")
     print("|---|---|---|---|---|---|---|---|")
     for op, shape, kern, us, bw, tf, vs_copy, vs_peer in rows:

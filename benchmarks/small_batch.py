@@ -180,14 +180,14 @@ def steps_table(model, copy_bw, names, context=384):
         ms[name], weights, kv_per_token = engine_steps(model, mode, batches, context)
     print(f"\ndecode step ms, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
           f" + KV) / copy BW")
-    print("batch | " + " | ".join(modes) + " | " + " | ".join(f"{n} / fused" for n in list(modes)[:-1])
-          + " | roofline | fused / roofline")
+    peers = list(modes)[:-1]
+    print(" | ".join(["batch", *modes, *(f"{n} / fused" for n in peers), "roofline", "fused / roofline"]))
     for b in batches:
         roof = (weights + b * context * kv_per_token) / (copy_bw * 1e12)
         f = ms["fused"][b]
-        print(f"{b} | " + " | ".join(f"{ms[n][b] * 1e3:.3f}" for n in modes) + " | " +
-              " | ".join(f"{ms[n][b] / f:.2f}" for n in list(modes)[:-1]) +
-              f" | {roof * 1e3:.3f} | {f / roof:.2f}", flush=True)
+        print(" | ".join([str(b), *(f"{ms[n][b] * 1e3:.3f}" for n in modes),
+                          *(f"{ms[n][b] / f:.2f}" for n in peers), f"{roof * 1e3:.3f}", f"{f / roof:.2f}"]),
+              flush=True)
 
 
 def main():
