@@ -204,17 +204,24 @@ def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     assert err < 1e-5
 
 
-def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
-    """A graph sizes the split count for its longest context: splits past a shorter sequence's
-    last key write nothing, and the sum must not read them (NaN-filled here), cascade too."""
+def nan_filled_partials(monkeypatch, module_name):
+    """Makes the kernel module's split partials start as NaN, so that a sum reading a partial
+    no program wrote shows; returns the module."""
     import importlib
-    dec = importlib.import_module("asynct.ops.asynci_decode")
-    split_output = dec.split_output
+    module = importlib.import_module(module_name)
+    split_output = module.split_output
 
     def nan_filled(out, splits):
         dst, strides = split_output(out, splits)
         return (dst.fill_(float("nan")) if splits > 1 else dst), strides
-    monkeypatch.setattr(dec, "split_output", nan_filled)
+    monkeypatch.setattr(module, "split_output", nan_filled)
+    return module
+
+
+def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
+    """A graph sizes the split count for its longest context: splits past a shorter sequence's
+    last key write nothing, and the sum must not read them (NaN-filled here), cascade too."""
+    nan_filled_partials(monkeypatch, "asynct.ops.asynci_decode")
     assert decode_case(asynci_decode_triton, [3, 100, 64, 1], 4, 2, 16, 4, 3, True, device=DEV, splits=16) < 1e-5
     # sequence 0 holds 38 keys past the 32-key prefix: 2 splits of 32 with the prefix's start,
     # 1 without it, so a sum that forgot the prefix would read a split never written
@@ -309,14 +316,7 @@ def test_prefill_split_sum_reads_only_written_partials(monkeypatch):
     """Every partial the prefill's split sum adds was written (NaN-filled here): the slices that
     hold no key of a row included (they add zeros), after cached prefixes, G = 3; and a split
     count past what the sum is compiled for is refused."""
-    import importlib
-    pre = importlib.import_module("asynct.ops.asynci_prefill")
-    split_output = pre.split_output
-
-    def nan_filled(out, splits):
-        dst, strides = split_output(out, splits)
-        return (dst.fill_(float("nan")) if splits > 1 else dst), strides
-    monkeypatch.setattr(pre, "split_output", nan_filled)
+    pre = nan_filled_partials(monkeypatch, "asynct.ops.asynci_prefill")
     for splits in (3, pre.MAX_SPLITS):
         err = prefill_case(asynci_prefill_triton, [30, 5, 70], [20, 64, 0], 6, 2, 16, 8, 3, True,
                            device=DEV, block_m=16, block_n=16, splits=splits)
