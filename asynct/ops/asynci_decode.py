@@ -33,17 +33,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # host-written lengths and the parameters: read while the kernel before finishes
+    # the lengths are host-written (copied in before the step), never a kernel's output: read
+    # while the kernel before finishes. sigma may be cast by the kernel just before: after.
     lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
+    wait_for_prior(PDL)
     g = tl.arange(0, M)
     gmask = g < G
     head = kvh * G + g
     d = tl.arange(0, D)
-    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
-    wait_for_prior(PDL)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
                 mask=gmask[:, None], other=0.0)
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
+    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                       D, BS, BLOCK_N, P, RELU, PREC, FP8)
