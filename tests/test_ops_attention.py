@@ -329,12 +329,12 @@ def test_prefill_split_sum_reads_only_written_partials(monkeypatch):
 def test_prefill_plan_uses_only_the_fixed_configs():
     """Short prompts get the split config and key splits, long ones the whole-key config
     unsplit; every plan is one of PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""
-    from asynct.ops.asynci_prefill import (MAX_SPLITS, PREFILL_CONFIGS, plan_prefill,
+    from asynct.ops.asynci_prefill import (MAX_SPLITS, PREFILL_CONFIGS, _slice_keys, plan_prefill,
                                            prefill_variants)
     whole, split = PREFILL_CONFIGS
     assert plan_prefill(1, 8192, 8192, 4, 2) == (whole, 1)
-    cfg, splits = plan_prefill(1, 512, 512, 4, 2)
-    assert cfg == split and splits > 1
+    # 512 keys: 4 slices of 128 (5 asked for would leave the fifth empty; 4 measured faster)
+    assert plan_prefill(1, 512, 512, 4, 2) == (split, 4)
     assert plan_prefill(1, 16, 16, 4, 2) == (whole, 1)      # too few keys to split
     assert plan_prefill(1, 64, 4064, 4, 2) == (split, MAX_SPLITS)   # short chunk, long prefix
     for pool in (1, 3, 33, 34, 65):
@@ -346,6 +346,7 @@ def test_prefill_plan_uses_only_the_fixed_configs():
                     cfg, splits = plan_prefill(b, n, n + 100, hkv, g, pool_size=pool)
                     assert (cfg, min(splits, 2)) in warmed and 1 <= splits <= MAX_SPLITS
                     assert cfg.block_n >= pool - 1
+                    assert (splits - 1) * _slice_keys(n + 100, splits, cfg.block_n) < n + 100  # none empty
 
 
 def test_kernels_read_a_block_major_cache_in_place():
