@@ -190,10 +190,13 @@ def elementwise(copy_bw):
 
 def main():
     sweep = "--sweep" in sys.argv
+    ops = [a for a in sys.argv[1:] if not a.startswith("--")] or ["elementwise", "decode", "prefill"]
+    if set(ops) - {"elementwise", "decode", "prefill"}:
+        sys.exit(f"ops to time: elementwise, decode, prefill; got {' '.join(ops)}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.2f} TB/s (read + write)")
-    for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["elementwise", "decode", "prefill"]:
+    for name in ops:
         {"elementwise": elementwise, "decode": lambda bw: decode(bw, sweep),
          "prefill": lambda bw: prefill(bw, sweep)}[name](copy_bw)
     print("\n| op | shape | kernel | time (us) | TB/s | TFLOP/s | / copy BW | SDPA time / time |")

@@ -1,7 +1,8 @@
 """Small-batch decode: the fused decode-sized linears (asynct/ops/fused_linear.py) against the
 unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-0.6b's shapes.
 
-    PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep]
+    PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
+        [--modes unfused,...,fused]
 
 1. Each layer op at 1, 8 and 16 rows (unfused, fused without PDL, without the L2 prefetch, and
    fused), graph-timed over enough distinct weight copies that every replay reads HBM (as 35

@@ -131,24 +131,28 @@ def decode_case(fn, b_lens, hq, hkv, d, bs, pool, relu, dtype=torch.float32, dev
 
 
 def prefill_case(fn, q_lens, ctx, hq, hkv, d, bs, pool, relu, dtype=torch.float32, device="cpu",
-                 seed=0, block_major=False, **kw):
+                 seed=0, block_major=False, lead=0, **kw):
+    """`lead` rows of q and out before the chunks belong to no chunk (vLLM's decode rows): they
+    must come back untouched."""
     gen = torch.Generator().manual_seed(seed)
     lens = [a + c for a, c in zip(q_lens, ctx)]
     cache, table = make_cache(lens, hkv, d, bs, dtype, device, gen, block_major)
-    t = sum(q_lens)
+    t = lead + sum(q_lens)
     qbuf = torch.randn(t, hq + hkv, d, generator=gen).to(dtype).to(device)
     q = qbuf[:, :hq]
     sigma = (torch.randn(hq, generator=gen) * 1.5).to(device)
     seq = torch.tensor(lens, dtype=torch.int32, device=device)
-    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+    qsl = torch.tensor([lead] + (lead + torch.tensor(q_lens).cumsum(0)).tolist(), dtype=torch.int32,
                        device=device)
     scale = 1.0 / d ** 0.5
     out = torch.full((t, hq, d), float("nan"), dtype=dtype, device=device)
+    out[:lead] = 7.0
     fn(q, cache, table, qsl, seq, sigma, scale, pool, relu, out, max(q_lens), max(lens), **kw)
     ref = asynci_prefill_ref(q, cache, table, qsl, seq, sigma, scale, pool, relu,
                              torch.empty(out.shape, dtype=torch.float32, device=device))
-    assert not out.isnan().any(), "unwritten or NaN output"
-    return rel_err(out, ref)
+    assert (out[:lead] == 7.0).all(), "rows before the chunks overwritten"
+    assert not out[lead:].isnan().any(), "unwritten or NaN output"
+    return rel_err(out[lead:], ref[lead:])
 
 
 # ---- the references ------------------------------------------------------------------------
@@ -314,12 +318,13 @@ def test_prefill_split_keys_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx,
 
 def test_prefill_split_sum_reads_only_written_partials(monkeypatch):
     """Every partial the prefill's split sum adds was written (NaN-filled here): the slices that
-    hold no key of a row included (they add zeros), after cached prefixes, G = 3; and a split
-    count past what the sum is compiled for is refused."""
+    hold no key of a row included (they add zeros), after cached prefixes, G = 3, with rows before
+    the chunks that no chunk owns (vLLM's decode rows: left as they were); and a split count
+    past what the sum is compiled for is refused."""
     pre = nan_filled_partials(monkeypatch, "asynct.ops.asynci_prefill")
-    for splits in (3, pre.MAX_SPLITS):
+    for splits, lead in ((3, 0), (pre.MAX_SPLITS, 0), (3, 2)):
         err = prefill_case(asynci_prefill_triton, [30, 5, 70], [20, 64, 0], 6, 2, 16, 8, 3, True,
-                           device=DEV, block_m=16, block_n=16, splits=splits)
+                           device=DEV, block_m=16, block_n=16, splits=splits, lead=lead)
         assert err < 1e-5
     with pytest.raises(ValueError, match="key splits"):
         prefill_case(asynci_prefill_triton, [30], [0], 4, 2, 16, 8, 3, True, device=DEV, block_m=16,

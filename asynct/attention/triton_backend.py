@@ -97,7 +97,8 @@ class TritonBackend(AttentionBackend):
         b, blocks = 2, 4
         q = torch.zeros(b, impl.num_heads, impl.head_dim, dtype=dtype, device=dev)
         table = torch.zeros(b, blocks, dtype=torch.int32, device=dev)
-        lens = torch.full((b,), blocks * kv_cache.shape[2], dtype=torch.int32, device=dev)
+        # copied in, not filled by a kernel: the decode kernel reads the lengths before its wait
+        lens = torch.tensor([blocks * kv_cache.shape[2]] * b, dtype=torch.int32).to(dev)
         args = (impl.sigma, impl.scale, impl.pool_size, impl.relu_pre)
         for splits in (1, 2):
             for prefix in (None, torch.zeros(1, dtype=torch.int32, device=dev)):

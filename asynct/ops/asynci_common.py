@@ -161,13 +161,14 @@ def sum_splits(dst, out, splits, lens):
     return out
 
 
-@_jit(do_not_specialize=["S"])
-def _sum_all_splits_kernel(mid_ptr, out_ptr, sot, soh, H, S, HP: tl.constexpr, D: tl.constexpr,
+@_jit(do_not_specialize=["S", "B"])
+def _sum_all_splits_kernel(mid_ptr, out_ptr, qsl_ptr, B, sot, soh, H, S, HP: tl.constexpr, D: tl.constexpr,
                            MAX_S: tl.constexpr):
     """out[t] = the sum of row t's S fp32 partials in split order, all its heads at once, every
     load issued before the first add (S <= MAX_S; the loads past S are masked off). A prefill
     has thousands of rows: one program a (row, head) adding one dependent load after another
-    left the sum latency-bound."""
+    left the sum latency-bound. Only the chunks' rows [qsl[0], qsl[B]) are stored: rows before
+    them (vLLM's decode rows) or after (padding) hold partials nobody wrote."""
     t = tl.program_id(0)
     h = tl.arange(0, HP)[:, None]
     d = tl.arange(0, D)[None, :]
@@ -176,16 +177,19 @@ def _sum_all_splits_kernel(mid_ptr, out_ptr, sot, soh, H, S, HP: tl.constexpr, D
     acc = tl.zeros([HP, D], dtype=tl.float32)
     for s in tl.static_range(MAX_S):
         acc += tl.load(row + s * D, mask=mask & (s < S), other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + d, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    own = (t >= tl.load(qsl_ptr)) & (t < tl.load(qsl_ptr + B))
+    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + d, acc.to(out_ptr.dtype.element_ty), mask=mask & own)
 
 
-def sum_all_splits(dst, out, splits, max_splits):
-    """`sum_splits` of a prefill, whose every split wrote a partial of every row (zeros where it
-    holds no key of that row); `max_splits`, the most it ever launches, fixes the one compile."""
+def sum_all_splits(dst, out, splits, max_splits, query_start_loc):
+    """`sum_splits` of a prefill, whose every split wrote a partial of every row of its chunks
+    (zeros where it holds no key of that row); `max_splits`, the most it ever launches, fixes
+    the one compile. Rows of `out` outside the chunks keep their values."""
     if splits > max_splits:
         raise ValueError(f"{splits} key splits, more than the {max_splits} the sum is compiled for")
     if splits > 1:
         t, h, d = out.shape
-        _sum_all_splits_kernel[(t,)](dst, out, out.stride(0), out.stride(1), h, splits,
-                                     HP=triton.next_power_of_2(h), D=d, MAX_S=max_splits, num_warps=4)
+        _sum_all_splits_kernel[(t,)](dst, out, query_start_loc, query_start_loc.shape[0] - 1, out.stride(0),
+                                     out.stride(1), h, splits, HP=triton.next_power_of_2(h), D=d,
+                                     MAX_S=max_splits, num_warps=4)
     return out

@@ -33,8 +33,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    # the lengths are host-written (copied in before the step), never a kernel's output: read
-    # while the kernel before finishes. sigma may be cast by the kernel just before: after.
+    # read while the kernel before finishes: the lengths are not that kernel's output (the
+    # caller's contract, asynci_decode_triton). sigma may be cast by the kernel just before: after.
     lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     g = tl.arange(0, M)
@@ -148,7 +148,10 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                          k_scale=None, v_scale=None):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
-    `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe)."""
+    `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe).
+    `seq_lens` and `prefix_len` must not be written by the kernel launched just before this call
+    (copied in from the host, or filled earlier): with programmatic dependent launch the decode
+    and sum kernels read them before waiting for that kernel."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     b, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape

@@ -255,7 +255,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         num_stages=num_stages or cfg.num_stages)
     # launched plainly: with programmatic dependent launch the split sum's programs came in
     # early and the split plans ran 1.07-1.14x slower (2K tokens: 74.3 against 65.4 us)
-    return sum_all_splits(dst, out, splits, MAX_SPLITS)
+    return sum_all_splits(dst, out, splits, MAX_SPLITS, query_start_loc)
 
 
 def prefill_variants(pool_size=1):
