@@ -94,6 +94,8 @@ def scenario(d, hkv, g, bs, q_lens, ctx_lens, head_major, seed=0):
 
 CASES = {  # d, hkv, g, bs, q_lens, ctx_lens: decodes first, as vLLM orders them for us
     "mixed": (16, 2, 2, 4, [1, 1, 5, 23, 1], [40, 6, 3, 0, 9]),
+    # the prefill's keys split over programs (3 slices), its rows after the decodes' in q
+    "mixed_split_prefill": (16, 2, 2, 4, [1, 1, 40], [30, 7, 200]),
     "decode": (32, 1, 4, 7, [1, 1, 1], [13, 70, 0]),
     "graph_padded_decode": (16, 2, 2, 16, [1, 1, 0, 0], [33, 5, 0, 0]),
     "prefill": (16, 4, 1, 7, [9, 33], [13, 0]),
