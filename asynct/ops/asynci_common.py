@@ -139,6 +139,12 @@ def _sm_count(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def sm_count(t) -> int:
+    """The SMs of `t`'s device, which the launch plans size their grids by; off CUDA (the
+    interpreted kernels of the tests) an H200's 132."""
+    return _sm_count(t.device.index or 0) if t.is_cuda else 132
+
+
 def split_output(out, splits):
     """Where a kernel split `splits` ways over keys writes, and its (row, head, split) strides:
     `out` itself for one split, else fp32 partials [rows, heads, splits, D] that `sum_splits` adds."""

@@ -14,7 +14,7 @@ in asynci_common.py."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
-from asynct.ops.asynci_common import (_sm_count, attend_keys, fold_k_scale, scale_args, split_output,
+from asynct.ops.asynci_common import (attend_keys, fold_k_scale, scale_args, sm_count, split_output,
                                       split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
@@ -157,7 +157,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     _, _, bs, hkv, _ = kv_cache.shape
     if b == 0:
         return out
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    sms = sm_count(q)
     hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
     if splits is None:
         splits = num_splits(b, hkv, hint, sms)

@@ -19,8 +19,8 @@ from collections import namedtuple
 import torch
 
 from asynct.ops._triton import jit as _jit, pow2, tl, triton
-from asynct.ops.asynci_common import (_sm_count, apply_v_scale, fold_k_scale, load_kv_rows,
-                                      scale_args, split_output, sum_all_splits)
+from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, load_kv_rows, scale_args,
+                                      sm_count, split_output, sum_all_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -233,7 +233,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
         return out
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 132
+    sms = sm_count(q)
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size)
     splits = splits or (plan_splits if block_m is None else 1)
     if splits > MAX_SPLITS:

@@ -51,12 +51,12 @@ def cuda_decode_supported(q, kv_cache, pool_size=3):
 
 def asynci_decode_cuda(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
                        max_seq_len=None, splits=None):
-    from asynct.ops.asynci_common import _sm_count
+    from asynct.ops.asynci_common import sm_count
     from asynct.ops.asynci_decode import check_decode_args, num_splits
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     if splits is None:
         hint = max_seq_len or block_table.shape[1] * kv_cache.shape[2]
-        splits = num_splits(q.shape[0], kv_cache.shape[3], hint, _sm_count(q.device.index or 0))
+        splits = num_splits(q.shape[0], kv_cache.shape[3], hint, sm_count(q))
     load_extension().asynci_decode_cuda(q, kv_cache, block_table, seq_lens,
                                         sigma.float().contiguous(), float(scale), int(pool_size),
                                         bool(relu_pre), out, int(splits))

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from asynct.ops._triton import pdl_args, pow2, triton
-from asynct.ops.asynci_common import _sm_count, scale_args
+from asynct.ops.asynci_common import scale_args, sm_count
 from asynct.ops.dyht import _param_stride, dyht_add
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
 from asynct.ops.kv_cache import check_kv_cache
@@ -82,7 +82,7 @@ def _tiles(x, k, tiles):
     more tiles than SMs (gate/up: 384) run best as 2-warp programs (7.0 -> 6.2 us).
     Splitting K over more programs instead, summed in a workspace, cost more than it gained
     (o_proj 5.8 us, down 7.9 us: benchmarks/RESULTS.md)."""
-    sms = _sm_count(x.device.index or 0) if x.is_cuda else 132
+    sms = sm_count(x)
     wide = tiles < sms and k >= 1024 and x.element_size() <= 2   # 3 x 32 KiB of shared memory
     block_k = 512 if wide else 256
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
