@@ -4,11 +4,11 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
         [--modes unfused,...,fused]
 
-1. Each layer op at 1, 8 and 16 rows (unfused, fused without PDL, without the L2 prefetch, and
-   fused), graph-timed over enough distinct weight copies that every replay reads HBM (as 35
-   layers do), with the bandwidth its weights achieve. --sweep adds tile configs at one row (BLOCK_K, stages, warps,
-   weight rows per program).
-2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16 and 32, context 384, for an engine with
+1. Each layer op at 1, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the L2 prefetch,
+   and fused), graph-timed over enough distinct weight copies that every replay reads HBM (as 35
+   layers do), with the bandwidth its weights achieve. --sweep adds tile configs at 1 and 32 rows
+   (BLOCK_K, stages, warps, weight rows per program).
+2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16, 24, 32 and 48, context 384, for an engine with
    the fused linears, one with them but without programmatic dependent launch (every kernel
    waits for the one before to drain), one whose QKV kernel leaves the KV write to the
    attention backend, one whose linears do not prefetch their weights into L2 while the kernel
@@ -93,10 +93,11 @@ def tiles(half_tile=None, **changes):
         fl._tiles, fl.HALF_TILE = orig, orig_half
 
 
-# (BLOCK_K, stages, warps, rows per tile / 2) at one row; the engine takes the first (QKV), the
+# (BLOCK_K, stages, warps, rows per tile / 2) at 1 and 32 rows; at one row the engine takes the first (QKV), the
 # second (o_proj, down) and the third (gate/up)
 SWEEP = [(256, 4, 4, 8), (512, 3, 4, 8), (256, 4, 2, 8), (512, 3, 2, 8), (1024, 2, 4, 8),
-         (256, 6, 4, 8), (512, 4, 4, 8), (512, 3, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16)]
+         (256, 6, 4, 8), (512, 4, 4, 8), (512, 3, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16),
+         (256, 3, 4, 8), (128, 4, 4, 8), (256, 3, 4, 16), (128, 4, 2, 8)]
 
 
 def op_cases(m):
@@ -125,7 +126,7 @@ def ops_table(copy_bw, sweep):
     print("\nop | rows | unfused us | fused, no PDL us | no L2 prefetch us | fused us | fused TB/s | "
           "of copy BW | unfused / fused | no PDL / fused | no prefetch / fused")
     configs = SWEEP if sweep else []
-    for m in (1, 8, 16):
+    for m in (1, 8, 16, 24, fl.SMALL_M):
         for name, shape, fn in op_cases(m):
             with unfused():
                 t_u, _ = time_op(fn, shape, m)
@@ -136,7 +137,7 @@ def ops_table(copy_bw, sweep):
             t_f, bw = time_op(fn, shape, m)
             print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_p * 1e6:.1f} | {t_f * 1e6:.1f} | "
                   f"{bw:.2f} | {bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f} | {t_p / t_f:.2f}", flush=True)
-            for bk, st, w, hb in (configs if m == 1 else []):
+            for bk, st, w, hb in (configs if m in (1, fl.SMALL_M) else []):
                 name = f"bk{bk} st{st} w{w} rows{2 * hb}"
                 with tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w):
                     try:
@@ -174,7 +175,7 @@ MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
 
 
 def steps_table(model, copy_bw, names, context=384):
-    batches = (1, 8, 16, 32)
+    batches = (1, 8, 16, 24, 32, 48)
     modes = {n: MODES[n] for n in MODES if n in names}
     ms = {}
     for name, mode in modes.items():

@@ -1,5 +1,6 @@
 """Decode-sized fused linear layers (Triton, interpreted on CPU) against their unfused
-compositions, on awkward shapes: K and N not multiples of the tiles, GQA, 1 and 16 rows."""
+compositions, on awkward shapes: K and N not multiples of the tiles, GQA, 1 to 32 rows (both
+row tiles)."""
 import pytest
 import torch
 from test_engine import reference  # noqa: F401  (fixture: the HF reference model)
@@ -32,7 +33,7 @@ def norm_params(n, per_channel, gen):
 
 
 # (rows, K, N); K of 1,024 takes 512-wide K tiles
-CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32)]
+CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32), (23, 96, 40), (32, 1024, 16)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -55,7 +56,7 @@ def test_linear_dyht_add(t, k, n, post, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12)])
+@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12), (29, 64, 10)])
 def test_linear_reglu(t, k, i, dtype):
     gen = torch.Generator().manual_seed(t + i)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand(2 * i, k, gen=gen, dtype=dtype, scale=0.2)
@@ -68,7 +69,7 @@ def test_linear_reglu(t, k, i, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,hq,hkv,d,k,per_channel", [(1, 4, 2, 32, 96, True), (9, 3, 1, 16, 96, False),
                                                        (16, 2, 2, 64, 96, True), (2, 1, 1, 16, 1024, True),
-                                                       (3, 2, 1, 128, 64, True)])
+                                                       (3, 2, 1, 128, 64, True), (20, 3, 1, 32, 96, False)])
 def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     gen = torch.Generator().manual_seed(t * hq + d)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype, scale=0.3)
@@ -84,7 +85,8 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (5, 3, 1, 16, 4), (16, 2, 2, 64, 16)])
+@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (5, 3, 1, 16, 4), (16, 2, 2, 64, 16),
+                                          (24, 2, 1, 32, 16)])
 def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     """Given the cache and slots, the fused QKV kernel stores k and v itself, as the unfused
     path + the cache write would (padding slots -1 store nothing; FP8 scales per channel)."""
@@ -116,7 +118,7 @@ def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("t", [1, 3, 16])
+@pytest.mark.parametrize("t", [1, 3, 16, 17, 32])
 def test_bench_shapes_deterministic(t):
     """bench-0.6b's four projections: equal to the unfused ops, and bit-identical from call to
     call (the async-vs-sync and graph-vs-eager equality tests rely on it)."""
@@ -205,7 +207,7 @@ def _tuple(x):
 def test_bad_inputs_are_named():
     x, w = torch.randn(SMALL_M + 1, 32), torch.randn(16, 32)
     one, pos = torch.ones(1), torch.zeros(1, dtype=torch.long)
-    with pytest.raises(ValueError, match="T <= 16"):
+    with pytest.raises(ValueError, match=f"T <= {SMALL_M}"):
         linear_reglu_triton(x, w)
     with pytest.raises(ValueError, match="weight must be contiguous"):
         linear_reglu_triton(x[:2], torch.randn(16, 31))

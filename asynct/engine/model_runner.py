@@ -99,18 +99,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self):
-        """Every kernel compiles now, not in the middle of serving: a one-token forward (the
-        decode-sized fused linears, the QKV one storing k/v, prefill), one just past them (the
-        unfused elementwise kernels, the KV write), the QKV kernel without its store (what a
-        piecewise graph's small piece runs), then the attention variants none can reach."""
-        for n in (1, min(WARMUP_TOKENS, self.num_kv_blocks * self.block_size)):
+        """Every kernel compiles now, not in the middle of serving: forwards of one token and of
+        SMALL_M (the decode-sized fused linears at both row tiles, the QKV one storing k/v,
+        prefill), one just past them (the unfused elementwise kernels, the KV write), the QKV
+        kernel without its store at both row tiles (what a piecewise graph's small pieces run),
+        then the attention variants none can reach."""
+        for n in sorted({1, ops.SMALL_M, WARMUP_TOKENS}):
+            n = min(n, self.num_kv_blocks * self.block_size)
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                           torch.arange(n, device=self.device), self.builder.build(step))
-        x = torch.zeros(1, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        self.model.layers[0].attention_inputs(torch.zeros(1, dtype=torch.long, device=self.device), x,
-                                              self.model.cos_sin_cache, write_kv=False)
+        for n in (1, ops.SMALL_M):
+            x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
+                                                  self.model.cos_sin_cache, write_kv=False)
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         torch.cuda.synchronize(self.device)
 

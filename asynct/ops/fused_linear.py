@@ -19,7 +19,7 @@ from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
-SMALL_M = 16
+SMALL_M = 32
 L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.py
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
@@ -74,6 +74,13 @@ def _check(*problems):
             raise ValueError(problem)
 
 
+def row_tile(m: int) -> int:
+    """Activation rows a program's tile holds (BLOCK_M): 16 (the smallest tl.dot operand) up to
+    16 rows, else 32. Each program reads the whole activation tile beside its weight rows, so
+    a tile past the batch costs L2 traffic and shared memory at every program."""
+    return 16 if m <= 16 else 32
+
+
 def _tiles(x, k, tiles):
     """(BLOCK_M, BLOCK_K, EVEN_K, PRECISION, LINES: 128-byte lines of each weight row and K tile
     to prefetch into L2 before the PDL wait) and the launch options for `tiles` programs over a
@@ -83,7 +90,8 @@ def _tiles(x, k, tiles):
     Splitting K over more programs instead, summed in a workspace, cost more than it gained
     (o_proj 5.8 us, down 7.9 us: benchmarks/RESULTS.md)."""
     sms = sm_count(x)
-    wide = tiles < sms and k >= 1024 and x.element_size() <= 2   # 3 x 32 KiB of shared memory
+    block_m = row_tile(x.shape[0])
+    wide = tiles < sms and k >= 1024 and x.element_size() <= 2 and block_m == 16  # 3 x 32 KiB of shared memory
     block_k = 512 if wide else 256
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
@@ -91,7 +99,7 @@ def _tiles(x, k, tiles):
     # only where every program starts in the first wave: QKV and o_proj 1.11-1.16x faster ops at
     # 1-16 rows, down 1.02x at 1 row and 0.97x at 8-16; gate/up's 384 programs 1.03-1.08x slower
     lines = max(1, block_k * x.element_size() // 128) if pdl["PDL"] and L2_PREFETCH and tiles < sms else 0
-    return dict(BLOCK_M=SMALL_M, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
+    return dict(BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
                 num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4,
                 LINES=lines, **pdl)
 

@@ -1,6 +1,6 @@
-"""The Triton kernels of fused_linear.py: decode-sized linears (at most 16 rows) with their
-elementwise epilogue. Every program streams 16 weight rows (a 16-row dot with the <= 16
-activation rows); RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j
+"""The Triton kernels of fused_linear.py: decode-sized linears (at most 32 rows) with their
+elementwise epilogue. Every program streams 16 weight rows (a 16-row dot with a tile of 16 or
+32 activation rows); RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j
 and up j), so their programs load the two halves as one 16-row tile and split the
 accumulator. The accumulator is rounded to the activation dtype before the epilogue, as the
 unfused ops receive it."""
