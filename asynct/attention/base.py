@@ -143,20 +143,10 @@ class AttentionBackend(ABC):
     def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int, device):
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
 
-    def graph_variants(self, batch_size: int) -> tuple:
-        """The decode graphs captured for one batch size, by key: more than one where steps of
-        that size launch different kernels (the triton backend's cascade attention)."""
-        return (None,)
-
-    def graph_variant(self, metadata: AttentionMetadata):
-        """Which of graph_variants a step replays."""
-        return None
-
-    def prepare_for_capture(self, batch_size: int, variant=None) -> AttentionMetadata:
+    def prepare_for_capture(self, batch_size: int) -> AttentionMetadata:
         raise NotImplementedError
 
-    def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int):
-        """Copies the step's metadata into the static buffers its graph reads."""
+    def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> AttentionMetadata:
         raise NotImplementedError
 
 

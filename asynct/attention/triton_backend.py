@@ -116,31 +116,26 @@ class TritonBackend(AttentionBackend):
         self.graph_qsl = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
         self.graph_prefix_len = torch.zeros(1, dtype=torch.int32, device=device)
 
-    def graph_variants(self, batch_size) -> tuple:
-        """Graphs that may hold enough sequences for cascade attention come in two: with the
-        shared-prefix pass (and its 32-key tiles) and without it (no empty pass to launch)."""
-        return (False, True) if batch_size >= CASCADE_MIN_DECODES else (False,)
-
-    def graph_variant(self, md: TritonAttentionMetadata) -> bool:
-        return md.decode_prefix_len_cpu > 0
-
-    def prepare_for_capture(self, batch_size, variant=False) -> TritonAttentionMetadata:
+    def prepare_for_capture(self, batch_size) -> TritonAttentionMetadata:
         """Decode-only metadata over the static buffers; the split counts are fixed by the
-        longest context a captured graph may meet. `variant` True: cascade attention."""
+        longest context a captured graph may meet. Graphs that may hold enough sequences for
+        cascade attention always run its prefix pass (an empty one when nothing is shared)."""
         bs = batch_size
+        cascade = bs >= CASCADE_MIN_DECODES
         return TritonAttentionMetadata(
             num_decodes=bs, num_prefills=0, num_decode_tokens=bs, num_actual_tokens=bs,
             max_query_len=1, max_seq_len=0, query_start_loc=self.graph_qsl[: bs + 1],
             seq_lens=self.graph_seq_lens[:bs], block_table=self.graph_block_table[:bs],
             slot_mapping=self.graph_slot_mapping[:bs], max_decode_seq_len=self.graph_max_seq_len,
-            decode_prefix_len=self.graph_prefix_len if variant else None)
+            decode_prefix_len=self.graph_prefix_len if cascade else None)
 
-    def prepare_for_replay(self, md: TritonAttentionMetadata, batch_size):
+    def prepare_for_replay(self, md: TritonAttentionMetadata, batch_size) -> TritonAttentionMetadata:
         n, width = md.num_decodes, md.block_table.shape[1]
         self.graph_block_table[:n, :width].copy_(md.block_table, non_blocking=True)
         self.graph_seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
         self.graph_seq_lens[n:batch_size].zero_()
         self.graph_slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
         self.graph_slot_mapping[n:batch_size].fill_(-1)
-        if md.decode_prefix_len_cpu:
-            self.graph_prefix_len.copy_(md.decode_prefix_len, non_blocking=True)
+        if batch_size >= CASCADE_MIN_DECODES:
+            self.graph_prefix_len.fill_(md.decode_prefix_len_cpu)
+        return replace(self.prepare_for_capture(batch_size), max_seq_len=md.max_seq_len)

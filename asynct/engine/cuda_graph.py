@@ -1,7 +1,6 @@
-"""CUDA graphs for decode-only steps: one graph per batch size of a ladder up to max_num_seqs
-(and per variant the attention backend names for it); a step replays the smallest graph that
-holds it, padded with empty sequences. The attention backend owns the static metadata buffers
-(init_capture / prepare_for_capture / prepare_for_replay) and the variants (graph_variants).
+"""CUDA graphs for decode-only steps: one graph per batch size of a ladder up to max_num_seqs;
+a step replays the smallest graph that holds it, padded with empty sequences. The attention
+backend owns the static metadata buffers (init_capture / prepare_for_capture / prepare_for_replay).
 Logits stay outside the graph: only the sampling rows need them."""
 import torch
 
@@ -41,7 +40,7 @@ class CudaGraphRunner:
         self.hidden = torch.zeros(self.max_bs, runner.config.hidden_size, dtype=runner.dtype, device=dev)
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
         runner.backend.init_capture(self.max_bs, max_blocks, runner.max_model_len, dev)
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}    # (batch size, backend's variant)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture()
 
     @torch.inference_mode()
@@ -49,12 +48,11 @@ class CudaGraphRunner:
         self.pool, self.stream = None, torch.cuda.Stream()
         backend, model = self.backend, self.model
         for bs in reversed(self.sizes):
-            for variant in backend.graph_variants(bs):
-                set_context(backend.prepare_for_capture(bs, variant))
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])   # warm-up
-                self.graphs[bs, variant] = capture_graph(self, lambda: self.hidden[:bs].copy_(
-                    model(self.input_ids[:bs], self.positions[:bs])))
-                reset_context()
+            set_context(backend.prepare_for_capture(bs))
+            self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])   # warm-up
+            self.graphs[bs] = capture_graph(self, lambda: self.hidden[:bs].copy_(
+                model(self.input_ids[:bs], self.positions[:bs])))
+            reset_context()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()            # the warm-ups' blocks; the graphs keep their pool
 
@@ -68,5 +66,5 @@ class CudaGraphRunner:
         self.positions[:n].copy_(positions, non_blocking=True)
         self.positions[n:bs].zero_()
         self.backend.prepare_for_replay(metadata, bs)
-        self.graphs[bs, self.backend.graph_variant(metadata)].replay()
+        self.graphs[bs].replay()
         return self.hidden[:n]

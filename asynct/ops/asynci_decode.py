@@ -22,9 +22,6 @@ from asynct.ops.paged_ref import asynci_decode_ref
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
-# With a shared prefix (cascade) each sequence's own keys are few (gsm8k-shaped: ~250 after 688
-# shared), and a walk of 4 tiles wastes less as 8 tiles of 32: 1.21x faster (decode_sweep.py)
-CASCADE_BLOCK_N = 32
 
 
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
@@ -147,12 +144,11 @@ def _prefix_pass(q, kv_cache, block_table, prefix_len, sigma, scale, fp8_args, s
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
                          out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None,
-                         block_n=None, num_warps=4, num_stages=2,
+                         block_n=BLOCK_N, num_warps=4, num_stages=2,
                          k_scale=None, v_scale=None):
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
-    `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe). `block_n`
-    (keys a tile) defaults to BLOCK_N, or CASCADE_BLOCK_N with a shared prefix.
+    `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe).
     `seq_lens` and `prefix_len` must not be written by the kernel launched just before this call
     (copied in from the host, or filled earlier): with programmatic dependent launch the decode
     and sum kernels read them before waiting for that kernel."""
@@ -167,8 +163,6 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         splits = num_splits(b, hkv, hint, sms)
     g = hq // hkv
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if block_n is None:
-        block_n = BLOCK_N if prefix_len is None else CASCADE_BLOCK_N
     # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
     block_n = max(block_n, triton.next_power_of_2(int(pool_size)))
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
