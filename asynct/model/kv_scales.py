@@ -60,7 +60,7 @@ def set_kv_scales(model):
 def observed_kv_max(llm, prompts) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the largest |k| and |v| ([Hkv, D]) that prefilling `prompts` produces: what the
     bounds are measured against (docs/fp8_kv.md, tests). Where the fused QKV kernel stored them
-    (steps of <= 16 tokens), they are read back from the cache: measure on a 16-bit cache (an
+    (steps of <= ops.SMALL_M tokens), they are read back from the cache: measure on a 16-bit cache (an
     FP8 one holds them clamped to the bounds)."""
     from asynct import SamplingParams
     model = llm.llm_engine.runner.model
