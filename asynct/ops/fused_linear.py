@@ -96,11 +96,11 @@ def _tiles(x, k, tiles):
     block_k = max(16, min(block_k, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = pdl_args(x)
-    # only where every program starts in the first wave and its 16 weight rows are at most 64 KiB
-    # (QKV and o_proj in 16 bits): their ops 1.03-1.16x faster at 1-32 rows; down's 96 KiB gained
-    # 1.02x at 1 row and lost 0.96x at 16, 0.90x at 24-32; gate/up's 384 programs lost 1.03-1.08x
-    prefetch = tiles < sms and TILE_N * k * x.element_size() <= 64 << 10
-    lines = max(1, block_k * x.element_size() // 128) if pdl["PDL"] and L2_PREFETCH and prefetch else 0
+    # only where every program starts in the first wave: QKV and o_proj 1.03-1.16x faster ops at
+    # 1-32 rows; down loses as an op past 8 rows (0.90x at 24-32) but steps gain: without its
+    # prefetch they ran 1.08x slower at 24-32 sequences, 1.01-1.02x at 1 and 16 (RESULTS.md);
+    # gate/up's 384 programs 1.03-1.08x slower
+    lines = max(1, block_k * x.element_size() // 128) if pdl["PDL"] and L2_PREFETCH and tiles < sms else 0
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
                 num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4,
                 LINES=lines, **pdl)
