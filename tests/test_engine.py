@@ -92,6 +92,31 @@ def test_logprobs_match_reference(tiny_ckpt, reference):
     assert_all_blocks_free(llm)
 
 
+def test_prompt_logprobs_from_a_start_take_the_prefix_cache(tiny_ckpt, reference):
+    """prompt_logprobs_start: entries before it are None, the prompt's full blocks before the
+    first position whose logits it needs come from the prefix cache (a prompt_logprobs request
+    takes no hit otherwise), and the entries from it on equal the reference's."""
+    llm = LLM(tiny_ckpt)
+    bs = llm.llm_engine.block_manager.block_size
+    context = random_prompts(1, 70, 70, seed=8)[0]
+    llm.generate([{"prompt_token_ids": context + [1]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    prompt = context + [9, 8, 7]
+    with torch.no_grad():
+        ref = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
+    for start in (0, 20, 70, 72, 200):
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_start=start)
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        first = min(max(start, 1), len(prompt))
+        cacheable = (len(prompt) - 1) if start == 0 else min(len(prompt), start) - 1
+        assert out.num_cached_tokens == (cacheable // bs * bs if start else 0), start
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[:first] == [None] * first
+        for pos in range(first, len(prompt)):
+            assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4
+    with pytest.raises(ValueError, match="prompt_logprobs_start must be >= 0"):
+        SamplingParams(prompt_logprobs=0, prompt_logprobs_start=-1)
+    assert_all_blocks_free(llm)
+
+
 def test_seeded_sampling(tiny_ckpt):
     llm = LLM(tiny_ckpt)
     prompt = {"prompt_token_ids": [1, 2, 3, 4, 5]}

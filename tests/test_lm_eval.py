@@ -102,6 +102,23 @@ def test_rolling_windows_and_empty_context_match_reference():
         assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
 
 
+def test_choices_take_their_shared_context_from_the_prefix_cache(engine_lm, hf_lm):
+    """A question's choices, submitted side by side as lm-eval does: the first request of each
+    context computes it and the others take its full blocks from the prefix cache, scoring
+    exactly as the reference does."""
+    from lm_eval.api.instance import Instance
+    questions = [f"Question: Tom has {a} apples and buys {b} more apples at the shop on the corner. "
+                 f"How many apples does Tom have now?\nAnswer:" for a, b in ((3, 4), (12, 9), (5, 30))]
+    pairs = [Instance("loglikelihood", {}, (q, f" {c}"), 0) for q in questions for c in (7, 21, 35, 1)]
+    before = dict(engine_lm.prompt_tokens)
+    got = engine_lm.loglikelihood(pairs)
+    bs = engine_lm.llm.llm_engine.block_manager.block_size
+    shared = sum((len(engine_lm.tok_encode(q)) - 1) // bs * bs for q in questions)
+    assert engine_lm.prompt_tokens["cached"] - before["cached"] >= 3 * shared > 0
+    for (x, gx), (y, gy) in zip(got, hf_lm.loglikelihood(pairs)):
+        assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
+
+
 def eval_cli(*argv) -> int:
     from asynct.entrypoints.cli import main
     return main(["eval", *map(str, argv)])

@@ -50,12 +50,11 @@ class BlockManager:
         return self.blocks[bid]
 
     def match_prefix(self, seq: Sequence) -> list[Block]:
-        """Cached full blocks of the prompt, never all of it: the last token is always computed
-        so the sequence has logits to sample from."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+        """Cached full blocks of the prompt's cacheable tokens (Sequence.num_cacheable_tokens)."""
+        if not self.enable_prefix_caching:
             return []
         hits, h = [], -1
-        for i in range((seq.num_prompt_tokens - 1) // self.block_size):
+        for i in range(seq.num_cacheable_tokens // self.block_size):
             h = chain_hash(h, seq.block(i))
             block = self._cached_block(h, seq.block(i))
             if block is None:

@@ -312,7 +312,7 @@ class LLMEngine:
         s0 = req.seqs[0]
         plp = s0.prompt_logprobs
         if plp is not None and self.detokenizer:
-            plp = [None] + [self.detokenizer.annotate(e) for e in plp[1:]]
+            plp = [e if e is None else self.detokenizer.annotate(e) for e in plp]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, req.finished,
                              num_cached_tokens=s0.num_cached_tokens)
 

@@ -25,6 +25,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # asynct's addition (SGLang's logprob_start_len): the first prompt position whose logprob is
+    # wanted; earlier entries are None, and the prefix cache may hold those positions' K/V (it
+    # serves no request with prompt_logprobs otherwise: each position's logits must be computed)
+    prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -49,6 +53,8 @@ class SamplingParams:
             (not _is_real(self.min_p), f"min_p must be a finite number, got {self.min_p!r:.40}"),
             (not _is_int(self.top_k), f"top_k must be an integer, got {self.top_k!r:.40}"),
             (not _is_int(self.min_tokens), f"min_tokens must be an integer, got {self.min_tokens!r:.40}"),
+            (not _is_int(self.prompt_logprobs_start),
+             f"prompt_logprobs_start must be an integer, got {self.prompt_logprobs_start!r:.40}"),
             *[(v is not None and not _is_int(v), f"{name} must be an integer or None, got {v!r:.40}")
               for name, v in (("seed", self.seed), ("max_tokens", self.max_tokens), ("logprobs", self.logprobs),
                               ("prompt_logprobs", self.prompt_logprobs))],
@@ -75,6 +81,7 @@ class SamplingParams:
             (self.logprobs is not None and self.logprobs < 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (self.prompt_logprobs is not None and self.prompt_logprobs < 0,
              f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
+            (self.prompt_logprobs_start < 0, f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start}"),
             (self.seed is not None and not INT64_MIN <= self.seed < UINT64_END,
              f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}"),
             (any(not s for s in self.stop_list), "stop strings must be non-empty strings"),

@@ -27,9 +27,12 @@ class Sequence:
         # one at scheduling time), and the row of the last step's samples that holds the newest
         self.num_pending_tokens = 0
         self.sample_row = -1
-        self.num_prompt_logprobs_scheduled = 0   # prompt positions whose logprobs a step computes
+        # prompt positions whose logprobs a step computes (the logits of position p score token
+        # p + 1, so prompt_logprobs_start needs positions from start - 1 on)
+        start = min(max(params.prompt_logprobs_start, 1), self.num_prompt_tokens)
+        self.num_prompt_logprobs_scheduled = start - 1
         self.logprobs: list[dict] | None = [] if params.logprobs is not None else None
-        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.prompt_logprobs: list | None = [None] * start if params.prompt_logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason = None
@@ -56,6 +59,15 @@ class Sequence:
     def num_sampled_tokens(self) -> int:
         """Output tokens including those still on the device."""
         return self.num_output_tokens + self.num_pending_tokens
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading prompt tokens whose K/V the prefix cache may hold: never the last (its logits
+        sample the first output token), nor any whose logits a prompt logprob needs."""
+        n = self.num_prompt_tokens - 1
+        if self.prompt_logprobs is not None:
+            n = min(n, self.num_prompt_logprobs_scheduled)
+        return max(0, n)
 
     @property
     def is_prefilling(self) -> bool:

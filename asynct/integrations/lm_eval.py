@@ -1,12 +1,15 @@
 """lm-evaluation-harness backend `asynct`, shaped like lm-eval's vLLM backend.
 
-Every request type hands its whole workload to the engine in one `generate` call, so continuous
-batching and prefix caching see all of it at once (lm-eval's `batch_size` is accepted and
-ignored):
+Every request type hands its whole workload to the engine in one `generate` call (loglikelihood:
+two), so continuous batching and prefix caching see all of it at once (lm-eval's `batch_size` is
+accepted and ignored):
 
 - `generate_until`: one request per context with its own stop strings and sampling params;
 - `loglikelihood`: prompt logprobs of context + continuation from a single prefill (max_tokens=1,
-  the sampled token is thrown away), summed over the continuation, with `is_greedy` from ranks;
+  the sampled token is thrown away), summed over the continuation, with `is_greedy` from ranks.
+  Only the continuation's logprobs are asked for (`prompt_logprobs_start`), so a context that
+  several requests share (a question's choices) comes from the prefix cache after its first
+  request: those run first, the rest in a second `generate`;
 - `loglikelihood_rolling`: lm-eval's rolling windows, each scored like a loglikelihood request.
 
 Tokenisation matches lm-eval's `hf` backend (`tok_encode`, `_encode_pair`, BOS as the prefix of
@@ -40,6 +43,7 @@ class AsyncTLM(TemplateLM):
         t0 = time.perf_counter()
         self.llm = LLM(str(pretrained), **_engine_args(engine_kwargs))
         self.timings = {"load": time.perf_counter() - t0, "engine": 0.0}
+        self.prompt_tokens = {"total": 0, "cached": 0}   # the cached ones were not computed
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer files; lm-eval needs text in and out")
@@ -128,8 +132,14 @@ class AsyncTLM(TemplateLM):
             inputs.append(whole)
             ctxlens.append(len(whole) - len(cont))
         # prompt_logprobs=0: just the scored token's logprob and rank, no top-k lists
-        sp = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-        outs = self._generate([{"prompt_token_ids": ids} for ids in inputs], sp, disable_tqdm)
+        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
+                  for n in ctxlens]
+        outs = [None] * len(inputs)
+        for wave in _context_waves(inputs, ctxlens):
+            done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
+                                  disable_tqdm)
+            for i, out in zip(wave, done):
+                outs[i] = out
         res = []
         for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
             answer = _continuation_logprob(ids, out.prompt_logprobs, n_ctx)
@@ -161,10 +171,24 @@ class AsyncTLM(TemplateLM):
         t0 = time.perf_counter()
         outs = self.llm.generate(prompts, params, use_tqdm=not disable_tqdm)
         self.timings["engine"] += time.perf_counter() - t0
+        self.prompt_tokens["total"] += sum(len(p["prompt_token_ids"]) for p in prompts)
+        self.prompt_tokens["cached"] += sum(o.num_cached_tokens for o in outs)
         failed = [o.error for o in outs if o.error]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outs)} engine requests failed; first: {failed[0]}")
         return outs
+
+
+def _context_waves(inputs, ctxlens) -> list[list[int]]:
+    """Request indices in two waves: each context's first request, then the rest. The prefix
+    cache serves only what earlier steps computed, and a step admits many requests at once: a
+    question's choices submitted together would each compute the shared context."""
+    seen, waves = set(), ([], [])
+    for i, (ids, n) in enumerate(zip(inputs, ctxlens)):
+        key = tuple(ids[:n])
+        waves[key in seen].append(i)
+        seen.add(key)
+    return [w for w in waves if w]
 
 
 def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:

@@ -164,8 +164,10 @@ def print_timing(seconds: float):
         return
     load, engine = lm.timings["load"], lm.timings["engine"]
     startup = startup_text(lm.llm.llm_engine.startup_seconds)
+    tokens = lm.prompt_tokens
     print(f"asynct eval: {seconds:.1f} s: engine start {load:.1f} s ({startup}), generation and scoring "
-          f"{engine:.1f} s, lm-eval's own work {seconds - load - engine:.1f} s")
+          f"{engine:.1f} s, lm-eval's own work {seconds - load - engine:.1f} s; prompt tokens "
+          f"{tokens['total']}, {tokens['cached']} of them from the prefix cache")
 
 
 def _not_custom_dataset_advice(record: logging.LogRecord) -> bool:
