@@ -8,8 +8,8 @@ The kernels come from the `asynct` first on PYTHONPATH, so two commits compare i
     mkdir -p /tmp/old && git archive <commit> asynct | tar -x -C /tmp/old
     PYTHONPATH=/tmp/old python3 benchmarks/decode_chain.py old; PYTHONPATH=. python3 benchmarks/decode_chain.py now
 `max_len` is the host bound that sizes the split grid: 384 as eager steps pass it, 4,096 as a
-CUDA graph captured for long contexts does (more splits than the context fills). Above 16 rows
-(batch 32, 64) the projections run unfused (cuBLAS + the elementwise ops), without the KV store."""
+CUDA graph captured for long contexts does (more splits than the context fills). Above 32 rows
+(batch 64) the projections run unfused (cuBLAS + the elementwise ops), without the KV store."""
 import argparse
 import importlib
 

@@ -183,9 +183,9 @@ def test_static_bounds_hold_and_k_bound_is_tight(tiny_ckpt):
 
 
 def test_observed_kv_max_reads_back_what_the_qkv_kernel_stored(tiny_ckpt, monkeypatch):
-    """Steps of <= 16 tokens take the fused QKV kernel (interpreted here), which stores k/v in
-    the cache itself: the maxima read back from it equal those of the same engine with the
-    store left to the attention backend."""
+    """Steps of <= 16 tokens (the engine's SMALL_M is larger; interpreted, small steps stay fast)
+    take the fused QKV kernel, which stores k/v in the cache itself: the maxima read back from it
+    equal those of the same engine with the store left to the attention backend."""
     from asynct.attention.base import AttentionImpl
     from asynct.model import engine_model
     from asynct.ops import fused_linear

@@ -32,7 +32,7 @@ def norm_params(n, per_channel, gen):
     return torch.rand(c, generator=gen) * 3 + 0.2, torch.randn(c, generator=gen)
 
 
-# (rows, K, N); K of 1,024 takes 512-wide K tiles
+# (rows, K, N); K of 1,024 takes 512-wide K tiles at up to 16 rows
 CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32), (23, 96, 40), (32, 1024, 16)]
 
 
@@ -97,6 +97,8 @@ def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     norms = (*norm_params(d, True, gen), *norm_params(d, False, gen))
     slots = torch.randperm(8 * bs, generator=gen)[:t]
     slots[t // 2] = -1 if t > 1 else slots[0]
+    if t > 16:
+        slots[t - 2] = -1       # padding in the 32-row tile's second half
     scales = tuple(torch.rand(hkv, d, generator=gen) + 0.5 for _ in range(2)) if fp8 else (None, None)
     cache = torch.zeros(2, 8, bs, hkv, d, dtype=torch.float8_e4m3fn if fp8 else dtype)
     want_cache = cache.clone()
@@ -239,6 +241,20 @@ def test_dispatch_takes_the_kernels_up_to_small_m():
         assert torch.equal(got, want)           # head_dim 24: not a power of two, unfused
 
 
+def test_launch_plan_row_tiles_and_shared_memory():
+    """16-row activation tiles up to 16 rows, 32 past; 512-wide K tiles only with 16-row ones;
+    stages kept within 128 KiB of shared memory (fp32 at 32 rows: 2)."""
+    from asynct.ops.fused_linear import _tiles, row_tile
+    assert [row_tile(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    for rows, dtype, tiles, want in [(16, torch.bfloat16, 64, (16, 512, 3)), (17, torch.bfloat16, 64, (32, 256, 4)),
+                                     (32, torch.float32, 64, (32, 256, 2)), (16, torch.float32, 64, (16, 256, 4)),
+                                     (32, torch.bfloat16, 384, (32, 256, 4))]:
+        plan = _tiles(torch.zeros(rows, 1024, dtype=dtype), 1024, tiles)
+        assert (plan["BLOCK_M"], plan["BLOCK_K"], plan["num_stages"]) == want, (rows, dtype, tiles)
+        smem = plan["num_stages"] * (plan["BLOCK_M"] + 16) * plan["BLOCK_K"] * dtype.itemsize
+        assert smem <= 128 << 10
+
+
 def test_dispatch_off_gpu_is_the_reference():
     gen = torch.Generator().manual_seed(0)
     x, w, res = torch.randn(3, 32, generator=gen), torch.randn(48, 32, generator=gen), torch.randn(3, 48)
@@ -254,8 +270,8 @@ def test_dispatch_off_gpu_is_the_reference():
 
 def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, reference, monkeypatch):
     """The model's plumbing around the fused kernels (views, residual stream, the next layer's
-    norm), every step at most 16 tokens so every step takes them (interpreted on CPU): greedy
-    tokens and logprobs equal the reference model's."""
+    norm), every step at most SMALL_M tokens so every step takes them (interpreted on CPU), at
+    both row tiles: greedy tokens and logprobs equal the reference model's."""
     from asynct import LLM, SamplingParams
     from asynct.ops import fused_linear
     calls = []
@@ -264,12 +280,12 @@ def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, refer
         calls.append(x.shape[0])
         return x.dim() == 2 and 0 < x.shape[0] <= SMALL_M and weight.dtype == x.dtype
     monkeypatch.setattr(fused_linear, "_fast", fast)
-    llm = LLM(tiny_ckpt, max_num_batched_tokens=16, max_num_seqs=4, enforce_eager=True)
-    calls.clear()       # the GPU warm-up also runs a 17-token forward, past the fused kernels
+    llm = LLM(tiny_ckpt, max_num_batched_tokens=SMALL_M, max_num_seqs=4, enforce_eager=True)
+    calls.clear()       # the GPU warm-up also runs a forward past the fused kernels
     prompts = [[5], [7, 99, 3, 41, 250], list(range(30, 53)), [200] * 17]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert calls and max(calls) <= SMALL_M
+    assert calls and max(calls) <= SMALL_M and any(16 < n for n in calls)
     for p, o in zip(prompts, outs):
         full = p + o.outputs[0].token_ids
         with torch.no_grad():

@@ -22,7 +22,7 @@ from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
 
-# the warm-up's second forward: just past the decode-sized fused linears (a cache smaller than
+# the warm-up's last forward: just past the decode-sized fused linears (a cache smaller than
 # this can never hold such a step, so the warm-up stops at its size)
 WARMUP_TOKENS = ops.SMALL_M + 1
 

@@ -101,9 +101,10 @@ def _tiles(x, k, tiles):
     # prefetch they ran 1.08x slower at 24-32 sequences, 1.01-1.02x at 1 and 16 (RESULTS.md);
     # gate/up's 384 programs 1.03-1.08x slower
     lines = max(1, block_k * x.element_size() // 128) if pdl["PDL"] and L2_PREFETCH and tiles < sms else 0
+    # stages of activation + weight tiles within 128 KiB of shared memory (fp32 at 32 rows: 2)
+    stages = min(3 if block_k == 512 else 4, (128 << 10) // ((block_m + TILE_N) * block_k * x.element_size()))
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
-                num_warps=4 if tiles < sms else 2, num_stages=3 if block_k == 512 else 4,
-                LINES=lines, **pdl)
+                num_warps=4 if tiles < sms else 2, num_stages=stages, LINES=lines, **pdl)
 
 
 def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
