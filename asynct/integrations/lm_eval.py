@@ -131,15 +131,7 @@ class AsyncTLM(TemplateLM):
             whole = (ctx + cont)[-keep:]
             inputs.append(whole)
             ctxlens.append(len(whole) - len(cont))
-        # prompt_logprobs=0: just the scored token's logprob and rank, no top-k lists
-        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
-                  for n in ctxlens]
-        outs = [None] * len(inputs)
-        for wave in _context_waves(inputs, ctxlens):
-            done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
-                                  disable_tqdm)
-            for i, out in zip(wave, done):
-                outs[i] = out
+        outs = self._continuation_logprobs(inputs, ctxlens, disable_tqdm)
         res = []
         for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
             answer = _continuation_logprob(ids, out.prompt_logprobs, n_ctx)
@@ -147,6 +139,19 @@ class AsyncTLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, answer)
             res.append(answer)
         return res
+
+    def _continuation_logprobs(self, inputs, ctxlens, disable_tqdm):
+        """Each input's RequestOutput with the prompt logprobs of its tokens from its ctxlen on
+        (prompt_logprobs=0: the token's own logprob and rank, no top-k lists)."""
+        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=max(n, 0))
+                  for n in ctxlens]
+        outs = [None] * len(inputs)
+        for wave in _context_waves(inputs, ctxlens):
+            done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
+                                  disable_tqdm)
+            for i, out in zip(wave, done):
+                outs[i] = out
+        return outs
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
