@@ -3,7 +3,7 @@
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
 #   stages: smoke gputests runtime issue13 issue13-rest fp8 vllm parity sweep decode-sweep small-batch bench engine profile
 #           profile-gsm8k
-#           ablation cascade serve eval dp
+#           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -64,5 +64,6 @@ for s in $stages; do
             2>&1 | tee $OUT/eval_dp$n.log
         done ;;
     eval) [ -f benchmarks/eval_bench.py ] && timeout 300 python3 benchmarks/eval_bench.py --hf-limit 256 2>&1 | tee $OUT/eval.log ;;
+    eval-mc) timeout 300 python3 benchmarks/eval_bench.py --task tiny_gsm_mc 2>&1 | tee $OUT/eval_mc.log ;;
   esac
 done
