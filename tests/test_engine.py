@@ -103,12 +103,11 @@ def test_prompt_logprobs_from_a_start_take_the_prefix_cache(tiny_ckpt, reference
     prompt = context + [9, 8, 7]
     with torch.no_grad():
         ref = reference(torch.tensor([prompt])).logits[0].log_softmax(-1)
-    for start in (0, 20, 70, 72, 200):
+    for start in (0, 20, 2 * bs, 4 * bs, 70, 72, 200):    # position start - 1 is computed: 2 * bs caches 1 block
         params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1, prompt_logprobs_start=start)
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         first = min(max(start, 1), len(prompt))
-        cacheable = (len(prompt) - 1) if start == 0 else min(len(prompt), start) - 1
-        assert out.num_cached_tokens == (cacheable // bs * bs if start else 0), start
+        assert out.num_cached_tokens == (first - 1) // bs * bs, start
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[:first] == [None] * first
         for pos in range(first, len(prompt)):
             assert abs(out.prompt_logprobs[pos][prompt[pos]].logprob - ref[pos - 1, prompt[pos]].item()) < 1e-4

@@ -100,6 +100,9 @@ def test_rolling_windows_and_empty_context_match_reference():
              [("", "Question: Sara has 5 pens."), ("Question: 2 + 2 =", " 4"), ("Answer: ", "9 * 9 = 81")]]
     for (x, gx), (y, gy) in zip(short_a.loglikelihood(pairs), short_h.loglikelihood(pairs)):
         assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
+    cont = short_a.tok_encode(" 1 + 1 = 2." * 8, add_special_tokens=False)   # 88 tokens, past max_length 48
+    (long, _), (window, _) = short_a._loglikelihood_tokens([(None, [5, 6], cont), (None, cont[:-48], cont[-48:])])
+    assert long == window and math.isfinite(long)     # its last 48 tokens, as that window scores them
 
 
 def test_choices_take_their_shared_context_from_the_prefix_cache(engine_lm, hf_lm):

@@ -88,7 +88,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def record_prefix_query(self, seq: Sequence, hits: list[Block]):
-        self.num_queries += max(0, (seq.num_prompt_tokens - 1) // self.block_size)
+        self.num_queries += seq.num_cacheable_tokens // self.block_size
         self.num_hits += len(hits)
 
     def commit_full_blocks(self, seq: Sequence):

@@ -130,7 +130,8 @@ class AsyncTLM(TemplateLM):
         for _, ctx, cont in requests:
             whole = (ctx + cont)[-keep:]
             inputs.append(whole)
-            ctxlens.append(len(whole) - len(cont))
+            # a continuation longer than max_length: its last max_length tokens (the first has no logits)
+            ctxlens.append(max(len(whole) - len(cont), 1))
         outs = self._continuation_logprobs(inputs, ctxlens, disable_tqdm)
         res = []
         for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
@@ -146,7 +147,7 @@ class AsyncTLM(TemplateLM):
         params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=max(n, 0))
                   for n in ctxlens]
         outs = [None] * len(inputs)
-        for wave in _context_waves(inputs, ctxlens):
+        for wave in _context_waves(inputs, ctxlens, self.llm.llm_engine.args.block_size):
             done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
                                   disable_tqdm)
             for i, out in zip(wave, done):
@@ -184,14 +185,15 @@ class AsyncTLM(TemplateLM):
         return outs
 
 
-def _context_waves(inputs, ctxlens) -> list[list[int]]:
+def _context_waves(inputs, ctxlens, block_size) -> list[list[int]]:
     """Request indices in two waves: each context's first request, then the rest. The prefix
     cache serves only what earlier steps computed, and a step admits many requests at once: a
-    question's choices submitted together would each compute the shared context."""
+    question's choices submitted together would each compute the shared context. A context of
+    no full block before its last token (which the cache cannot serve) never waits."""
     seen, waves = set(), ([], [])
     for i, (ids, n) in enumerate(zip(inputs, ctxlens)):
         key = tuple(ids[:n])
-        waves[key in seen].append(i)
+        waves[n > block_size and key in seen].append(i)
         seen.add(key)
     return [w for w in waves if w]
 
