@@ -56,6 +56,10 @@ def test_assign_balances_work_and_keeps_prefixes_together():
     assert sorted(chosen) == [0] * 4 + [1] * 4 and chosen == sorted(chosen)
     # work already in flight counts
     assert assign([5], ["q"], [100, 0]) == [1]
+    # a key's home engine (its blocks cached there) wins while the load stays within the share
+    assert assign([5, 5], ["q", "r"], [0, 0], {"q": 1, "r": 1}) == [1, 0]
+    assert assign([5], ["q"], [0, 0], {"q": 1}) == [1]           # alone: one piece of imbalance
+    assert assign([5], ["q"], [100, 0], {"q": 0}) == [1]
     assert prefix_key([1] * 17, 16, 0) == prefix_key([1] * 16 + [2, 3], 16, 1)
     assert prefix_key([1] * 16, 16, 0) != prefix_key([1] * 16, 16, 1)   # no full block to share
 
@@ -71,6 +75,16 @@ def test_two_engines_equal_one(dp_llm, tiny_ckpt):
     assert min(gen) > 0, gen             # both engines worked
     bad = dp_llm.generate([[10 ** 6], "fine"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert "outside the vocabulary" in bad[0].error and bad[1].error is None
+
+
+def test_a_prefix_goes_back_to_the_engine_that_cached_it(dp_llm):
+    """Two contexts go to two engines; a later request on the second context (a question's next
+    choice in lm-eval's second wave) goes where that context's blocks are cached."""
+    first, second = [7] * 40 + [1, 2], [9] * 40 + [3, 4]
+    params = SamplingParams(temperature=0, max_tokens=1)
+    dp_llm.generate([{"prompt_token_ids": p} for p in (first, second)], params, use_tqdm=False)
+    again = dp_llm.generate([{"prompt_token_ids": second[:-2] + [5, 6]}], params, use_tqdm=False)[0]
+    assert again.error is None and again.num_cached_tokens == 32
 
 
 def spawn_env_report(args):

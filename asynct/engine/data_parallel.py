@@ -8,6 +8,7 @@ an error naming it; the other engines' requests go on."""
 import logging
 import queue
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from asynct.engine.core_client import start_engines
@@ -21,6 +22,7 @@ from asynct.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("asynct")
 POLL_S = 1.0     # how long a step waits for a message before checking that the engines live
+MAX_HOMES = 1 << 16   # prefix keys remembered for routing (a key: one block of token ids)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class DataParallelEngine:
         self.requests: dict[str, _Request] = {}
         self.unassigned: list[str] = []
         self.load = [0] * self.size           # work in flight per engine
+        self.homes: OrderedDict = OrderedDict()   # prefix key -> the engine whose cache last got it
         self.done: list[RequestOutput] = []   # finished by the front end (failures), for the next step
 
     # ---- LLMEngine's interface --------------------------------------------------------------
@@ -119,11 +122,22 @@ class DataParallelEngine:
             return
         reqs = [self.requests[rid] for rid in rids]
         keys = [prefix_key(r.out.prompt_token_ids, self.args.block_size, i) for i, r in enumerate(reqs)]
-        chosen = assign([r.work for r in reqs], keys, [self.load[k] for k in live])
-        for rid, r, c in zip(rids, reqs, chosen):
+        homes = {key: live.index(self.homes[key]) for key in keys if self.homes.get(key) in live}
+        chosen = assign([r.work for r in reqs], keys, [self.load[k] for k in live], homes)
+        for rid, r, key, c in zip(rids, reqs, keys, chosen):
+            self._remember(key, live[c])
             r.engine = live[c]
             self.load[r.engine] += r.work
             self.clients[r.engine].add((rid, r.out.prompt_token_ids, r.params, False))
+
+    def _remember(self, key, engine: int):
+        """A later batch's requests of this prefix (a question's other choices, say) go where its
+        blocks are cached, while that keeps the load balanced; the oldest keys are forgotten."""
+        if isinstance(key, tuple):
+            self.homes[key] = engine
+            self.homes.move_to_end(key)
+            if len(self.homes) > MAX_HOMES:
+                self.homes.popitem(last=False)
 
     # ---- messages ---------------------------------------------------------------------------
     def _on_message(self, k: int, msg):
@@ -178,11 +192,12 @@ def prefix_key(ids: list[int], block_size: int, index: int):
     return tuple(ids[:block_size]) if len(ids) > block_size else ("alone", index)
 
 
-def assign(works: list[int], keys: list, loads: list[int]) -> list[int]:
+def assign(works: list[int], keys: list, loads: list[int], homes: dict | None = None) -> list[int]:
     """An engine (index into `loads`, their work in flight) per request: the requests of one key
     go to one engine, unless together they are more than an engine's share of all the work (one
     shared few-shot prefix, say), then in shares of about that size; the largest piece first, each
-    to the least-loaded engine."""
+    to its key's home engine (`homes`: where earlier requests of the key went) while that stays
+    within the share (or the home is as little loaded as any), else to the least-loaded."""
     share = (sum(loads) + sum(works)) / len(loads)
     groups: dict = {}
     for i, key in enumerate(keys):
@@ -197,9 +212,11 @@ def assign(works: list[int], keys: list, loads: list[int]) -> list[int]:
             piece.append(i)
             work += works[i]
         pieces.append((work, piece))
-    loads, chosen = list(loads), [0] * len(works)
+    loads, chosen, homes = list(loads), [0] * len(works), homes or {}
     for work, piece in sorted(pieces, key=lambda p: -p[0]):
-        k = min(range(len(loads)), key=lambda j: loads[j])
+        k, least = homes.get(keys[piece[0]]), min(range(len(loads)), key=lambda j: loads[j])
+        if k is None or (loads[k] + work > share and loads[k] > loads[least]):
+            k = least
         loads[k] += work
         for i in piece:
             chosen[i] = k
