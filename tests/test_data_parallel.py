@@ -8,12 +8,14 @@ import re
 import signal
 import threading
 import time
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.engine.core_client import CoreClient, gpus_for
-from asynct.engine.data_parallel import assign, prefix_key
+from asynct.engine.data_parallel import DataParallelEngine, assign, prefix_key
 from asynct.engine.engine_args import EngineArgs
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
@@ -62,6 +64,11 @@ def test_assign_balances_work_and_keeps_prefixes_together():
     assert assign([5], ["q"], [100, 0], {"q": 0}) == [1]
     assert prefix_key([1] * 17, 16, 0) == prefix_key([1] * 16 + [2, 3], 16, 1)
     assert prefix_key([1] * 16, 16, 0) != prefix_key([1] * 16, 16, 1)   # no full block to share
+    # only full-block keys get a home: a short prompt's key is its place in its batch
+    remembering = SimpleNamespace(homes=OrderedDict())
+    DataParallelEngine._remember(remembering, prefix_key([1] * 16, 16, 0), 1)
+    DataParallelEngine._remember(remembering, prefix_key([1] * 17, 16, 0), 1)
+    assert list(remembering.homes) == [prefix_key([1] * 17, 16, 0)]
 
 
 def test_two_engines_equal_one(dp_llm, tiny_ckpt):

@@ -23,6 +23,7 @@ from asynct.engine.sampling_params import SamplingParams
 log = logging.getLogger("asynct")
 POLL_S = 1.0     # how long a step waits for a message before checking that the engines live
 MAX_HOMES = 1 << 16   # prefix keys remembered for routing (a key: one block of token ids)
+ALONE = "alone"       # first item of the key of a prompt with no full block
 
 
 @dataclass
@@ -132,8 +133,9 @@ class DataParallelEngine:
 
     def _remember(self, key, engine: int):
         """A later batch's requests of this prefix (a question's other choices, say) go where its
-        blocks are cached, while that keeps the load balanced; the oldest keys are forgotten."""
-        if isinstance(key, tuple):
+        blocks are cached, while that keeps the load balanced; the oldest keys are forgotten.
+        A prompt of no full block has a key of its own, by its place in its batch: not kept."""
+        if key[0] != ALONE:
             self.homes[key] = engine
             self.homes.move_to_end(key)
             if len(self.homes) > MAX_HOMES:
@@ -189,7 +191,7 @@ class DataParallelEngine:
 def prefix_key(ids: list[int], block_size: int, index: int):
     """Prompts with the same first full KV block share a key; a prompt of no full block (which
     the prefix cache cannot serve) gets its own."""
-    return tuple(ids[:block_size]) if len(ids) > block_size else ("alone", index)
+    return tuple(ids[:block_size]) if len(ids) > block_size else (ALONE, index)
 
 
 def assign(works: list[int], keys: list, loads: list[int], homes: dict | None = None) -> list[int]:
