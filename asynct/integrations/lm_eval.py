@@ -144,7 +144,7 @@ class AsyncTLM(TemplateLM):
     def _continuation_logprobs(self, inputs, ctxlens, disable_tqdm):
         """Each input's RequestOutput with the prompt logprobs of its tokens from its ctxlen on
         (prompt_logprobs=0: the token's own logprob and rank, no top-k lists)."""
-        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=max(n, 0))
+        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
                   for n in ctxlens]
         outs = [None] * len(inputs)
         for wave in _context_waves(inputs, ctxlens, self.llm.llm_engine.args.block_size):
