@@ -8,14 +8,12 @@ import re
 import signal
 import threading
 import time
-from collections import OrderedDict
-from types import SimpleNamespace
 
 import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.engine.core_client import CoreClient, gpus_for
-from asynct.engine.data_parallel import DataParallelEngine, assign, prefix_key
+from asynct.engine.data_parallel import PrefixHomes, assign, prefix_key, route
 from asynct.engine.engine_args import EngineArgs
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
@@ -65,10 +63,29 @@ def test_assign_balances_work_and_keeps_prefixes_together():
     assert prefix_key([1] * 17, 16, 0) == prefix_key([1] * 16 + [2, 3], 16, 1)
     assert prefix_key([1] * 16, 16, 0) != prefix_key([1] * 16, 16, 1)   # no full block to share
     # only full-block keys get a home: a short prompt's key is its place in its batch
-    remembering = SimpleNamespace(homes=OrderedDict())
-    DataParallelEngine._remember(remembering, prefix_key([1] * 16, 16, 0), 1)
-    DataParallelEngine._remember(remembering, prefix_key([1] * 17, 16, 0), 1)
-    assert list(remembering.homes) == [prefix_key([1] * 17, 16, 0)]
+    homes = PrefixHomes()
+    homes.remember(prefix_key([1] * 16, 16, 0), 1)
+    homes.remember(prefix_key([1] * 17, 16, 0), 1)
+    assert list(homes.engines) == [prefix_key([1] * 17, 16, 0)]
+
+
+def test_route_keeps_a_prefix_where_it_is_cached_while_balanced():
+    """The server's routing, one request at a time: a prefix's engine takes it up to a slack of a
+    quarter of the mean load (at least one request) over the least-loaded engine; past that the
+    least-loaded takes it and holds the prefix too; dead engines and forgotten keys count not."""
+    homes, a, b = PrefixHomes(limit=2), prefix_key([1] * 17, 16, 0), prefix_key([2] * 17, 16, 0)
+    assert route(a, [0, 0], [0, 1], homes) == 0
+    assert route(b, [1, 0], [0, 1], homes) == 1
+    assert route(a, [4, 5], [0, 1], homes) == 0
+    assert route(b, [4, 5], [0, 1], homes) == 1       # one over the least: within the slack
+    assert route(b, [4, 6], [0, 1], homes) == 0       # two over: the least-loaded, now b's too
+    assert homes.engines[b] == [1, 0] and route(b, [9, 6], [0, 1], homes) == 1
+    assert homes.best(b, [0, 0], [0]) == 0 and homes.best(b, [0, 0], []) is None
+    assert route(a, [30, 25], [0, 1], homes) == 0     # slack 55 // 8 = 6: 5 over, within
+    assert route(a, [30, 20], [0, 1], homes) == 1     # 10 over: the least-loaded
+    homes.remember(prefix_key([3] * 17, 16, 0), 0)    # a third key: the oldest (b) is forgotten
+    assert b not in homes.engines
+    assert route(prefix_key([5], 16, 3), [2, 1], [0, 1], homes) == 1 and len(homes.engines) == 2
 
 
 def test_two_engines_equal_one(dp_llm, tiny_ckpt):
@@ -177,6 +194,7 @@ def test_server_two_engines_under_load(tiny_ckpt):
         assert not wrong, [(texts[i], alone[plan[i][0]]) for i in wrong[:3]]
         total = wait_idle(url)
         m = metrics_by_engine(url)
+        a_context_follows_its_engine(url)
         one_engine_killed(url, app.state.ctx.engine.engines[1].client.proc.pid)
     for k in ("0", "1", "total"):
         assert m[("num_requests_running", k)] == m[("num_requests_waiting", k)] == 0
@@ -188,6 +206,38 @@ def test_server_two_engines_under_load(tiny_ckpt):
     assert sum(m[("generation_tokens_total", k)] for k in "01") == m[("generation_tokens_total", "total")]
 
 
+async def stream_lines(client, url, body, started):
+    """A streamed completion's non-empty lines; `started` is set at the first."""
+    lines = []
+    async with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as r:
+        async for line in r.aiter_lines():
+            lines += [line] if line else []
+            started.set()
+    return lines
+
+
+def a_context_follows_its_engine(url):
+    """A question on a context that engine 0 is running goes to engine 0, though engine 1 is idle,
+    and its context's full blocks come from the prefix cache (routed by load alone: none)."""
+    import httpx
+    context = "One long shared context for both questions, three blocks of sixteen bytes. "
+    body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    hits = metrics_by_engine(url)[("prefix_cache_hits_total", "total")]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=60) as client:
+            started = asyncio.Event()
+            first = asyncio.create_task(stream_lines(client, url, {**body, "prompt": context + "One?"}, started))
+            await started.wait()
+            r = await client.post(url + "/v1/completions", json={**body, "prompt": context + "Two?", "max_tokens": 2})
+            await first
+            return r
+
+    assert asyncio.run(go()).status_code == 200
+    wait_idle(url)
+    assert metrics_by_engine(url)[("prefix_cache_hits_total", "total")] - hits >= len(context) // 16
+
+
 def one_engine_killed(url, pid):
     """Two streams, one on each engine (both idle: the first goes to engine 0, the next to 1);
     engine 1 killed: its stream ends with an error naming it, the other finishes, /health says
@@ -195,20 +245,12 @@ def one_engine_killed(url, pid):
     import httpx
     body = {"model": "tiny", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
 
-    async def stream(client, prompt, started):
-        lines = []
-        async with client.stream("POST", url + "/v1/completions", json={**body, "prompt": prompt}) as r:
-            async for line in r.aiter_lines():
-                lines += [line] if line else []
-                started.set()
-        return lines
-
     async def go():
         async with httpx.AsyncClient(timeout=60) as client:
             started = [asyncio.Event(), asyncio.Event()]
-            first = asyncio.create_task(stream(client, "on engine 0", started[0]))
+            first = asyncio.create_task(stream_lines(client, url, {**body, "prompt": "on engine 0"}, started[0]))
             await started[0].wait()
-            second = asyncio.create_task(stream(client, "on engine 1", started[1]))
+            second = asyncio.create_task(stream_lines(client, url, {**body, "prompt": "on engine 1"}, started[1]))
             await started[1].wait()
             os.kill(pid, signal.SIGKILL)
             return await first, await second

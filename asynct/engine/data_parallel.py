@@ -52,7 +52,7 @@ class DataParallelEngine:
         self.requests: dict[str, _Request] = {}
         self.unassigned: list[str] = []
         self.load = [0] * self.size           # work in flight per engine
-        self.homes: OrderedDict = OrderedDict()   # prefix key -> the engine whose cache last got it
+        self.homes = PrefixHomes()
         self.done: list[RequestOutput] = []   # finished by the front end (failures), for the next step
 
     # ---- LLMEngine's interface --------------------------------------------------------------
@@ -123,23 +123,13 @@ class DataParallelEngine:
             return
         reqs = [self.requests[rid] for rid in rids]
         keys = [prefix_key(r.out.prompt_token_ids, self.args.block_size, i) for i, r in enumerate(reqs)]
-        homes = {key: live.index(self.homes[key]) for key in keys if self.homes.get(key) in live}
+        homes = {key: live.index(k) for key in keys if (k := self.homes.best(key, self.load, live)) is not None}
         chosen = assign([r.work for r in reqs], keys, [self.load[k] for k in live], homes)
         for rid, r, key, c in zip(rids, reqs, keys, chosen):
-            self._remember(key, live[c])
+            self.homes.remember(key, live[c])
             r.engine = live[c]
             self.load[r.engine] += r.work
             self.clients[r.engine].add((rid, r.out.prompt_token_ids, r.params, False))
-
-    def _remember(self, key, engine: int):
-        """A later batch's requests of this prefix (a question's other choices, say) go where its
-        blocks are cached, while that keeps the load balanced; the oldest keys are forgotten.
-        A prompt of no full block has a key of its own, by its place in its batch: not kept."""
-        if key[0] != ALONE:
-            self.homes[key] = engine
-            self.homes.move_to_end(key)
-            if len(self.homes) > MAX_HOMES:
-                self.homes.popitem(last=False)
 
     # ---- messages ---------------------------------------------------------------------------
     def _on_message(self, k: int, msg):
@@ -192,6 +182,42 @@ def prefix_key(ids: list[int], block_size: int, index: int):
     """Prompts with the same first full KV block share a key; a prompt of no full block (which
     the prefix cache cannot serve) gets its own."""
     return tuple(ids[:block_size]) if len(ids) > block_size else (ALONE, index)
+
+
+class PrefixHomes:
+    """The engines whose prefix caches got each prefix key, so that a later request of the key (a
+    question's other choices, say) goes where its blocks are cached while that keeps the load
+    balanced. The oldest keys are forgotten; a prompt of no full block has a key of its own (its
+    place in its batch), so it is not kept."""
+
+    def __init__(self, limit: int = MAX_HOMES):
+        self.limit, self.engines = limit, OrderedDict()
+
+    def remember(self, key, engine: int):
+        if key[0] == ALONE:
+            return
+        engines = self.engines.pop(key, [])
+        self.engines[key] = engines if engine in engines else engines + [engine]
+        if len(self.engines) > self.limit:
+            self.engines.popitem(last=False)
+
+    def best(self, key, loads, live) -> int | None:
+        """The least-loaded of the live engines holding the key (loads: by engine), if any."""
+        cached = [k for k in self.engines.get(key, ()) if k in live]
+        return min(cached, key=lambda k: loads[k]) if cached else None
+
+
+def route(key, in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
+    """The engine for one request arriving alone (the server's): the least-loaded live engine
+    holding its prefix while it has at most a quarter of the mean load (at least one request)
+    more in flight than the least-loaded engine, else the least-loaded, which then holds the
+    prefix too: a prefix every request shares ends up cached everywhere, balanced."""
+    least = min(live, key=lambda k: in_flight[k])
+    home = homes.best(key, in_flight, live)
+    slack = max(1, sum(in_flight[k] for k in live) // (4 * len(live)))
+    k = home if home is not None and in_flight[home] <= in_flight[least] + slack else least
+    homes.remember(key, k)
+    return k
 
 
 def assign(works: list[int], keys: list, loads: list[int], homes: dict | None = None) -> list[int]:

@@ -1,7 +1,8 @@
 """The server's handle on its engine processes (one, or one per device with data parallel), each
 driven by a `CoreClient` (asynct/engine/core_client.py). Handlers only touch `routes` and their own
 queue, on the event loop; each client's receiver thread hands each message from its core to the
-loop in one `call_soon_threadsafe`. A request goes to the engine with the fewest in flight."""
+loop in one `call_soon_threadsafe`. A request goes to an engine whose prefix cache holds its first
+block while that keeps the engines balanced, else to the one with the fewest in flight."""
 import asyncio
 import itertools
 import logging
@@ -10,6 +11,7 @@ from collections import deque
 
 from asynct.engine.core_client import CoreClient, start_engines
 from asynct.engine.core_proc import apply_delta
+from asynct.engine.data_parallel import PrefixHomes, prefix_key, route
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.inputs import check_prompt
 from asynct.engine.llm_engine import LLMEngine
@@ -101,6 +103,7 @@ class AsyncEngine:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ids = itertools.count()
         self.stopping: str | None = None
+        self.homes = PrefixHomes()
 
     # ---- lifetime ----------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop):
@@ -130,8 +133,7 @@ class AsyncEngine:
         check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> RequestHandle:
-        """Queues one engine request per prompt, each on the live engine with the fewest in
-        flight; raises QueueFull past the queue limit: requests beyond each engine's max_num_seqs
+        """Queues one engine request per prompt, each on a live engine (`route`); raises QueueFull past the queue limit: requests beyond each engine's max_num_seqs
         count as queued (counted here, not sampled from the engines, so the limit is exact)."""
         live = [i for i, e in enumerate(self.engines) if e.dead is None]
         if self.stopping or not live:
@@ -144,7 +146,8 @@ class AsyncEngine:
         base = f"req-{next(self.ids)}"
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))])
         for i, (rid, ids) in enumerate(zip(handle.rids, prompts)):
-            k = min(live, key=lambda j: self.engines[j].num_in_flight)
+            key = prefix_key(ids, self.args.block_size, i)
+            k = route(key, [e.num_in_flight for e in self.engines], live, self.homes)
             self.engines[k].num_in_flight += 1
             self.routes[rid] = (handle, i, RequestOutput(rid, None, ids, None, [], False), k)
             self.engines[k].client.add((rid, ids, params, stream))
