@@ -12,9 +12,8 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    the fused linears, one with them but without programmatic dependent launch (every kernel
    waits for the one before to drain), one whose QKV kernel leaves the KV write to the
    attention backend, one whose linears do not prefetch their weights into L2 while the kernel
-   before runs, one whose decode attention adds its key splits in a kernel of its own (not in
-   the last program of each group), one whose decode attention does not prefetch its first keys
-   and values into L2 before the PDL wait, and one without fused linears, against the step's
+   before runs, one whose decode attention does not prefetch its first keys and values into L2
+   before the PDL wait, and one without fused linears, against the step's
    roofline: weights + KV read once at the copy bandwidth."""
 import argparse
 import contextlib
@@ -76,18 +75,6 @@ def no_prefetch():
         yield
     finally:
         fl.L2_PREFETCH = True
-
-
-@contextlib.contextmanager
-def sum_kernel():
-    """Decode attention's key splits added by a kernel of their own, as before the last program of
-    each (sequence, KV head) did it."""
-    dec = importlib.import_module("asynct.ops.asynci_decode")
-    dec.FUSED_SPLIT_SUM = False
-    try:
-        yield
-    finally:
-        dec.FUSED_SPLIT_SUM = True
 
 
 @contextlib.contextmanager
@@ -197,8 +184,7 @@ def engine_steps(model, mode, batches, context):
 
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
-         "no L2 prefetch": no_prefetch, "sum kernel": sum_kernel,
-         "no KV prefetch": no_kv_prefetch, "fused": contextlib.nullcontext}
+         "no L2 prefetch": no_prefetch, "no KV prefetch": no_kv_prefetch, "fused": contextlib.nullcontext}
 
 
 def steps_table(model, copy_bw, names, context=384):

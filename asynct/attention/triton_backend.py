@@ -90,8 +90,7 @@ class TritonBackend(AttentionBackend):
 
     def warmup(self, impl, kv_cache, dtype):
         """Decode's compiled variants: one split (written straight to the output) or several
-        (fp32 partials, which each group's last program adds; this first decode outside a graph
-        makes its counters), each with and without the shared-prefix pass; then every
+        (fp32 partials, then a sum), each with and without the shared-prefix pass; then every
         prefill variant the plan can pick for the pool (`prefill_variants`).
         Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
         dev = kv_cache.device

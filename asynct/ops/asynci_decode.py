@@ -8,37 +8,30 @@ tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and 
 those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
 simply add. A graph's split count is sized for its longest context; the splits past a shorter
 sequence's last key load no keys and store nothing, and the sum reads only the others.
-The sum is done by the last program of each (sequence, KV head) to finish, which a counter
-names, instead of a kernel of its own: at batch 1-32 a decode step is a chain of kernels whose
-every boundary costs more than the sum's bytes.
 
 The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
 in asynci_common.py."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
-from asynct.ops.asynci_common import (attend_keys, fold_k_scale, prefetch_kv_rows, scale_args, sm_count, split_output,
-                                      split_range, sum_splits)
+from asynct.ops.asynci_common import (attend_keys, fold_k_scale, prefetch_kv_rows, scale_args, sm_count,
+                                      split_output, split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
-FUSED_SPLIT_SUM = True   # off only for the same-run peer of benchmarks/small_batch.py
-KV_PREFETCH = True       # likewise
-_COUNTERS = 1 << 16       # (sequence, KV head) arrival counters a device keeps, zero between launches
+KV_PREFETCH = True   # off only for the same-run peer of benchmarks/small_batch.py
 
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
 
 
-@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE", "sfb", "sfh"])
+@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
-                   cnt_ptr, fin_ptr, sfb, sfh,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr, FUSED_SUM: tl.constexpr,
-                   KV_LINES: tl.constexpr):
+                   FP8: tl.constexpr, PDL: tl.constexpr, KV_LINES: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,27 +65,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
     # splits past the last key load and add nothing (lo >= hi) and leave no partial to sum
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (split < used))
-    if FUSED_SUM:
-        rows = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
-        fin = fin_ptr + b.to(tl.int64) * sfb + head[:, None] * sfh + d[None, :]
-        _sum_if_last(cnt_ptr + b * tl.num_programs(1) + kvh, tl.num_programs(2), rows, sos, used, fin,
-                     gmask[:, None], M, D)
-
-
-@_jit
-def _sum_if_last(cnt_ptr, n_splits, rows, sos, used, fin, mask, M: tl.constexpr, D: tl.constexpr):
-    """The last of a group's n_splits programs to get here adds up the `used` partials at `rows`
-    (split stride sos) in split order, as the sum kernel does, into `fin`, and zeroes the counter
-    for the next launch. Its threads' partials are all stored before the release (the barrier);
-    the last one reads the others' from L2 (.cg: not from a stale L1 line). The counters are
-    the device's: decodes on two streams at once would share them."""
-    tl.debug_barrier()
-    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == n_splits - 1:
-        total = tl.zeros([M, D], dtype=tl.float32)
-        for s in range(used):
-            total += tl.load(rows + s * sos, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(fin, total.to(fin.dtype.element_ty), mask=mask)
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
 
 
 @_jit(do_not_specialize=["B", "S_PRE"])
@@ -214,33 +186,14 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                            num_stages)
     dst, strides = split_output(out, splits)
     plen = prefix_len if s_pre else seq_lens
-    counters = _split_counters(q.device, b * hkv) if splits > 1 and FUSED_SPLIT_SUM else None
     pdl = pdl_args(q)
     kv_lines = max(1, d * kv_cache.element_size() // 128) if pdl["PDL"] and KV_PREFETCH else 0
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
         q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
-        seq_lens if counters is None else counters, out, out.stride(0), out.stride(1),
-        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, FUSED_SUM=counters is not None,
-        KV_LINES=kv_lines, **consts, num_warps=num_warps, num_stages=num_stages, **pdl)
-    if counters is not None:
-        return out
+        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, KV_LINES=kv_lines, **consts,
+        num_warps=num_warps, num_stages=num_stages, **pdl)
     return sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
-
-
-_counters: dict = {}
-
-
-def _split_counters(device, n):
-    """The device's int32 arrival counters, zero between launches (each launch's last program
-    of a group zeroes its own); None past their number, and the sum then gets its own kernel.
-    Made once by the first decode outside a graph capture (the engine's warm-up), never
-    resized: zeros made inside a capture would not be zero until the graph ran."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device] if n <= _COUNTERS else None
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
