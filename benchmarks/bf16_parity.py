@@ -396,7 +396,7 @@ def stats(e):
 
 
 def run_shape(name, overrides, seeds, attribution, dtype, device, smoke):
-    """Returns {variant: [worst per seed]} and prints the shape's tables."""
+    """Returns {variant: [(worst, p99, mean) per seed]} and prints the shape's tables."""
     worst, kernel_rows = {}, []
     for seed in range(seeds):
         with tempfile.TemporaryDirectory() as tmp:
@@ -417,7 +417,7 @@ def run_shape(name, overrides, seeds, attribution, dtype, device, smoke):
                     got = run_engine(path, dtype, waves, device, **kwargs)
                 e = errors(got, oracle)
                 w, p99, mean = stats(e)
-                worst.setdefault(vname, []).append(w)
+                worst.setdefault(vname, []).append((w, p99, mean))
                 print(f"  {name} seed={seed} {vname:28s} worst {w:.3e}  p99 {p99:.3e}  "
                       f"mean {mean:.2e}  n={e.numel()}  ({time.time() - t0:.1f}s)", flush=True)
                 kernel_rows += kernel_table(rec.calls)
@@ -451,7 +451,8 @@ def main():
           f"Triton/torch must be <= 1.2 ({time.time() - t0:.0f}s)")
     print(f"{'shape':22s} {'triton':>9s} {'torch':>9s} {'ratio':>6s} {'noise':>6s}  per seed: ratio / noise"
           "  closest swap to torch's error")
-    for name, w in table.items():
+    for name, stat in table.items():
+        w = {k: [seed[0] for seed in v] for k, v in stat.items()}
         tri, tor = max(w["triton"]), max(w["torch"])
         noise = max(w[NOISE]) / max(tor, 1e-30)
         per_seed = " ".join(f"{t / max(o, 1e-30):.2f}/{n / max(o, 1e-30):.2f}"
