@@ -12,13 +12,11 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    the fused linears, one with them but without programmatic dependent launch (every kernel
    waits for the one before to drain), one whose QKV kernel leaves the KV write to the
    attention backend, one whose linears do not prefetch their weights into L2 while the kernel
-   before runs, one whose decode attention does not prefetch its first keys and values into L2
-   before the PDL wait, and one without fused linears, against the step's
-   roofline: weights + KV read once at the copy bandwidth."""
+   before runs, and one without fused linears, against the step's roofline: weights + KV
+   read once at the copy bandwidth."""
 import argparse
 import contextlib
 import gc
-import importlib
 import tempfile
 from pathlib import Path
 
@@ -75,17 +73,6 @@ def no_prefetch():
         yield
     finally:
         fl.L2_PREFETCH = True
-
-
-@contextlib.contextmanager
-def no_kv_prefetch():
-    """Decode attention without the L2 prefetch of its first keys and values before the PDL wait."""
-    dec = importlib.import_module("asynct.ops.asynci_decode")
-    dec.KV_PREFETCH = False
-    try:
-        yield
-    finally:
-        dec.KV_PREFETCH = True
 
 
 @contextlib.contextmanager
@@ -184,7 +171,7 @@ def engine_steps(model, mode, batches, context):
 
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
-         "no L2 prefetch": no_prefetch, "no KV prefetch": no_kv_prefetch, "fused": contextlib.nullcontext}
+         "no L2 prefetch": no_prefetch, "fused": contextlib.nullcontext}
 
 
 def steps_table(model, copy_bw, names, context=384):

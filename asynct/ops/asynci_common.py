@@ -10,7 +10,7 @@ import functools
 
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, prefetch_l2, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
 from asynct.ops.kv_cache import check_kv_scales, is_fp8
 
 
@@ -24,17 +24,6 @@ def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_hea
     row = blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
     d = tl.arange(0, D)
     return tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask[:, None], other=0.0)
-
-
-@_jit
-def prefetch_kv_rows(cache_ptr, bt_row_ptr, first, hi, kv_head, s_blk, s_tok, s_head, BS: tl.constexpr,
-                     N: tl.constexpr, LINES: tl.constexpr, LINE: tl.constexpr):
-    """Asks L2 for rows [first, first + N) of one KV head, clamped to [0, hi): LINES 128-byte
-    lines of LINE elements a row. A hint (waits for nothing, keeps nothing in registers)."""
-    keys = tl.minimum(tl.maximum(first + tl.arange(0, N), 0), tl.maximum(hi - 1, 0))
-    blk = tl.load(bt_row_ptr + keys // BS)
-    row = blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
-    prefetch_l2(cache_ptr + row[:, None] + tl.arange(0, LINES)[None, :] * LINE)
 
 
 @_jit

@@ -14,12 +14,10 @@ in asynci_common.py."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
-from asynct.ops.asynci_common import (attend_keys, fold_k_scale, prefetch_kv_rows, scale_args, sm_count,
-                                      split_output, split_range, sum_splits)
+from asynct.ops.asynci_common import (attend_keys, fold_k_scale, scale_args, sm_count, split_output,
+                                      split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
-
-KV_PREFETCH = True   # off only for the same-run peer of benchmarks/small_batch.py
 
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
@@ -31,21 +29,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr, KV_LINES: tl.constexpr):
+                   FP8: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     # read while the kernel before finishes: the lengths are not that kernel's output (the
     # caller's contract, asynci_decode_triton). sigma may be cast by the kernel just before: after.
     lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
-    bt_row = bt_ptr + b.to(tl.int64) * sbt
-    if KV_LINES > 0:
-        if lo < hi:   # the first tile's keys (from its halo on) and values, all but the newest
-            # token's older than the kernel before (the QKV projection), into L2 while it runs
-            prefetch_kv_rows(k_ptr, bt_row, lo - (P - 1), hi, kvh, s_blk, s_tok, s_head, BS, BLOCK_N,
-                             KV_LINES, D // KV_LINES)
-            prefetch_kv_rows(v_ptr, bt_row, lo, hi, kvh, s_blk, s_tok, s_head, BS, BLOCK_N, KV_LINES,
-                             D // KV_LINES)
     wait_for_prior(PDL)
     g = tl.arange(0, M)
     gmask = g < G
@@ -55,6 +45,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                 mask=gmask[:, None], other=0.0)
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
+    bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                       D, BS, BLOCK_N, P, RELU, PREC, FP8)
     if CASCADE:
@@ -158,10 +149,9 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
     `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe).
-    `seq_lens`, `prefix_len` and `block_table` must not be written by the kernel launched just
-    before this call (copied in from the host, or filled earlier): with programmatic dependent
-    launch the decode and sum kernels read them before waiting for that kernel (the decode
-    kernel prefetches its first keys and values into L2 by the block table)."""
+    `seq_lens` and `prefix_len` must not be written by the kernel launched just before this call
+    (copied in from the host, or filled earlier): with programmatic dependent launch the decode
+    and sum kernels read them before waiting for that kernel."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
     b, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
@@ -186,13 +176,11 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                            num_stages)
     dst, strides = split_output(out, splits)
     plen = prefix_len if s_pre else seq_lens
-    pdl = pdl_args(q)
-    kv_lines = max(1, d * kv_cache.element_size() // 128) if pdl["PDL"] and KV_PREFETCH else 0
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
         q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
-        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, KV_LINES=kv_lines, **consts,
-        num_warps=num_warps, num_stages=num_stages, **pdl)
+        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, **consts, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(q))
     return sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
 
