@@ -6,7 +6,6 @@ step N stay on the device and become step N+1's inputs there; only their copies 
 (pinned, non-blocking) are waited for, one step later."""
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -49,12 +48,16 @@ class ModelRunner:
             if name.endswith(("alpha", "sigma")) or ("norm" in name and name.endswith("weight")):
                 p.data = p.data.float()
         self.model.cos_sin_cache = self.model.rope_cache(self.device)   # fp32: .to(dtype) cast it
+        load_weights(self.model, model_path)
+        if is_fp8(self.kv_dtype):
+            set_kv_scales(self.model)
         self.model.eval()
         self.kv_cache = None
         self.graphs = self.piecewise = None
         graphs_possible = self.device.type == "cuda" and self.backend.supports_cuda_graphs
         self.cudagraph_mode = cudagraph_mode if graphs_possible else "none"
-        self._load_and_compile(model_path)
+        if self.device.type == "cuda":
+            self._compile_ahead()
         self.max_num_seqs = max_num_seqs
         self.last_sampled = None     # the previous step's sampled tokens, on the device
         self.timed = False           # record device time per step (benchmarks)
@@ -82,21 +85,6 @@ class ModelRunner:
         if capture and self.cudagraph_mode == "full_and_piecewise":
             self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
         self.capture_seconds = {"decode_graphs": t1 - t0, "piecewise_graphs": time.perf_counter() - t1}
-
-    def _load_and_compile(self, model_path):
-        """Loads the weights while the kernels compile (a fresh machine's first start did one
-        after the other): the warm-up that compiles them reads the weights' shapes, not their
-        values. An FP8 cache's scales come from the weights, so it compiles after them."""
-        cuda, fp8 = self.device.type == "cuda", is_fp8(self.kv_dtype)
-        with ThreadPoolExecutor(1) as pool:
-            loading = pool.submit(load_weights, self.model, model_path)
-            if cuda and not fp8:
-                self._compile_ahead()
-            loading.result()
-        if fp8:
-            set_kv_scales(self.model)
-            if cuda:
-                self._compile_ahead()
 
     def _compile_ahead(self):
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
