@@ -1,10 +1,14 @@
-"""On a GPU: nothing compiles after start-up, whatever the steps look like; async scheduling
-gives the synchronous loop's tokens in bf16 with CUDA graphs."""
+"""On a GPU: nothing compiles after start-up, whatever the steps look like, and the start-up's
+compile pass leaves the kernels' launchers built; async scheduling gives the synchronous loop's
+tokens in bf16 with CUDA graphs."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from asynct import LLM, SamplingParams
 from asynct.entrypoints.bench import run_engine, workload
+from asynct.ops._triton import jit, tl
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -16,6 +20,33 @@ def gqa_ckpt(tmp_path_factory):
     return make_checkpoint("small", tmp_path_factory.mktemp("gqa"), seed=3, dtype="bfloat16",
                            hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                            vocab_size=2000)
+
+
+def test_a_launcher_that_cannot_be_built_early_is_left_for_the_first_launch():
+    """No CUDA driver here (or a Triton without launchers): the kernel comes back as it was."""
+    from asynct.ops._triton import with_launcher
+    kernel = SimpleNamespace(src=None, metadata=None)
+    assert with_launcher(kernel) is kernel
+
+
+@jit
+def _plus_one(x_ptr, n, BLOCK: tl.constexpr):   # this test's own: nothing else compiled it
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+
+@gpu
+def test_compile_only_builds_the_launchers(tmp_path, monkeypatch):
+    """On an empty Triton cache, compile_only leaves the kernel's launcher built (a
+    `__triton_launcher` module in the cache) before its first launch, which then runs."""
+    from asynct.ops._triton import compile_only
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    x = torch.zeros(8, device="cuda")
+    with compile_only(2):
+        _plus_one[(1,)](x, 8, BLOCK=16)
+    assert x.eq(0).all() and list(tmp_path.rglob("__triton_launcher*")), "no launcher after compile_only"
+    _plus_one[(1,)](x, 8, BLOCK=16)
+    assert x.eq(1).all()
 
 
 @gpu
