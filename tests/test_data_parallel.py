@@ -13,7 +13,7 @@ import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.engine.core_client import CoreClient, gpus_for
-from asynct.engine.data_parallel import PrefixHomes, assign, prefix_key, route
+from asynct.engine.data_parallel import PrefixHomes, assign, pick_engine, prefix_key
 from asynct.engine.engine_args import EngineArgs
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
@@ -69,23 +69,23 @@ def test_assign_balances_work_and_keeps_prefixes_together():
     assert list(homes.engines) == [prefix_key([1] * 17, 16, 0)]
 
 
-def test_route_keeps_a_prefix_where_it_is_cached_while_balanced():
-    """The server's routing, one request at a time: a prefix's engine takes it up to a slack of a
+def test_pick_engine_keeps_a_prefix_where_it_is_cached_while_balanced():
+    """The server's choice, one request at a time: a prefix's engine takes it up to a slack of a
     quarter of the mean load (at least one request) over the least-loaded engine; past that the
     least-loaded takes it and holds the prefix too; dead engines and forgotten keys count not."""
     homes, a, b = PrefixHomes(limit=2), prefix_key([1] * 17, 16, 0), prefix_key([2] * 17, 16, 0)
-    assert route(a, [0, 0], [0, 1], homes) == 0
-    assert route(b, [1, 0], [0, 1], homes) == 1
-    assert route(a, [4, 5], [0, 1], homes) == 0
-    assert route(b, [4, 5], [0, 1], homes) == 1       # one over the least: within the slack
-    assert route(b, [4, 6], [0, 1], homes) == 0       # two over: the least-loaded, now b's too
-    assert homes.engines[b] == [1, 0] and route(b, [9, 6], [0, 1], homes) == 1
+    assert pick_engine(a, [0, 0], [0, 1], homes) == 0
+    assert pick_engine(b, [1, 0], [0, 1], homes) == 1
+    assert pick_engine(a, [4, 5], [0, 1], homes) == 0
+    assert pick_engine(b, [4, 5], [0, 1], homes) == 1       # one over the least: within the slack
+    assert pick_engine(b, [4, 6], [0, 1], homes) == 0       # two over: the least-loaded, now b's too
+    assert homes.engines[b] == [1, 0] and pick_engine(b, [9, 6], [0, 1], homes) == 1
     assert homes.best(b, [0, 0], [0]) == 0 and homes.best(b, [0, 0], []) is None
-    assert route(a, [30, 25], [0, 1], homes) == 0     # slack 55 // 8 = 6: 5 over, within
-    assert route(a, [30, 20], [0, 1], homes) == 1     # 10 over: the least-loaded
+    assert pick_engine(a, [30, 25], [0, 1], homes) == 0     # slack 55 // 8 = 6: 5 over, within
+    assert pick_engine(a, [30, 20], [0, 1], homes) == 1     # 10 over: the least-loaded
     homes.remember(prefix_key([3] * 17, 16, 0), 0)    # a third key: the oldest (b) is forgotten
     assert b not in homes.engines
-    assert route(prefix_key([5], 16, 3), [2, 1], [0, 1], homes) == 1 and len(homes.engines) == 2
+    assert pick_engine(prefix_key([5], 16, 3), [2, 1], [0, 1], homes) == 1 and len(homes.engines) == 2
 
 
 def test_two_engines_equal_one(dp_llm, tiny_ckpt):
@@ -220,9 +220,9 @@ def a_context_follows_its_engine(url):
     """A question on a context that engine 0 is running goes to engine 0, though engine 1 is idle,
     and its context's full blocks come from the prefix cache (routed by load alone: none)."""
     import httpx
-    context = "One long shared context for both questions, three blocks of sixteen bytes. "
+    context = "One long shared context for both questions: four blocks of sixteen bytes, and more. "
     body = {"model": "tiny", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
-    hits = metrics_by_engine(url)[("prefix_cache_hits_total", "total")]
+    hits = metrics_by_engine(url)[("prefix_cache_hit_blocks_total", "total")]
 
     async def go():
         async with httpx.AsyncClient(timeout=60) as client:
@@ -235,7 +235,7 @@ def a_context_follows_its_engine(url):
 
     assert asyncio.run(go()).status_code == 200
     wait_idle(url)
-    assert metrics_by_engine(url)[("prefix_cache_hits_total", "total")] - hits >= len(context) // 16
+    assert metrics_by_engine(url)[("prefix_cache_hit_blocks_total", "total")] - hits >= len(context) // 16
 
 
 def one_engine_killed(url, pid):

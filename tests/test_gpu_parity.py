@@ -3,7 +3,8 @@ the Triton backend's teacher-forced logprob errors against a float64 evaluation 
 to the torch backend's.
 
 - The mean error is at most 1.05x the torch backend's: no path of the Triton engine rounds more
-  (measured 0.96-0.99x; the attention kernels alone keep 0.4-1.0x of the torch path's error).
+  (measured 0.95-0.99x; the attention kernels alone keep 0.4-1.0x of the torch path's error);
+  and the worst at most 2.5x (2.00x seen): a bound a real loss of precision would cross.
 - Issue 13's target, the worst error at most 1.2x the torch backend's, is an expected failure:
   the worst of 2,724 logprobs is the one token that bf16 rounding anywhere happens to amplify
   most. The torch backend with a strictly more precise attention (the script's noise control)
@@ -27,13 +28,16 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def stats(request):
     """(shape, {variant: [(worst, p99, mean) per seed]}), one engine run a shape for both tests."""
     return request.param, parity.run_shape(request.param, parity.SHAPES[request.param], seeds=2,
-                                           attribution=False, dtype="bfloat16", device="cuda", smoke=False)
+                                           attribution=False, dtype="bfloat16", device="cuda", smoke=False,
+                                           noise=False)
 
 
 def test_triton_bf16_mean_error_within_torch_backend(stats):
     shape, s = stats
-    tri, tor = (sum(seed[2] for seed in s[k]) for k in ("triton", "torch"))
+    tri, tor = (sum(seed[2] for seed in s[k]) / len(s[k]) for k in ("triton", "torch"))
     assert tri <= 1.05 * tor, f"{shape}: Triton mean {tri:.3e} vs torch {tor:.3e} ({tri / tor:.2f}x)"
+    worst = [max(seed[0] for seed in s[k]) for k in ("triton", "torch")]
+    assert worst[0] <= 2.5 * worst[1], f"{shape}: Triton worst {worst[0]:.4f} vs torch {worst[1]:.4f}"
 
 
 @pytest.mark.xfail(reason="issue 13's worst-case target: a tail statistic that rounding noise moves 1.6x", strict=False)

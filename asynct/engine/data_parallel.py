@@ -207,7 +207,7 @@ class PrefixHomes:
         return min(cached, key=lambda k: loads[k]) if cached else None
 
 
-def route(key, in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
+def pick_engine(key, in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
     """The engine for one request arriving alone (the server's): the least-loaded live engine
     holding its prefix while it has at most a quarter of the mean load (at least one request)
     more in flight than the least-loaded engine, else the least-loaded, which then holds the

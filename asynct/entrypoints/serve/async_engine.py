@@ -11,7 +11,7 @@ from collections import deque
 
 from asynct.engine.core_client import CoreClient, start_engines
 from asynct.engine.core_proc import apply_delta
-from asynct.engine.data_parallel import PrefixHomes, prefix_key, route
+from asynct.engine.data_parallel import PrefixHomes, pick_engine, prefix_key
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.inputs import check_prompt
 from asynct.engine.llm_engine import LLMEngine
@@ -133,8 +133,9 @@ class AsyncEngine:
         check_prompt(ids, params, self.vocab_size, self.max_model_len)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, stream: bool) -> RequestHandle:
-        """Queues one engine request per prompt, each on a live engine (`route`); raises QueueFull past the queue limit: requests beyond each engine's max_num_seqs
-        count as queued (counted here, not sampled from the engines, so the limit is exact)."""
+        """Queues one engine request per prompt, each on a live engine (`pick_engine`); raises
+        QueueFull past the queue limit: requests beyond each engine's max_num_seqs count as queued
+        (counted here, not sampled from the engines, so the limit is exact)."""
         live = [i for i, e in enumerate(self.engines) if e.dead is None]
         if self.stopping or not live:
             raise EngineError(self.dead, 503)
@@ -147,7 +148,7 @@ class AsyncEngine:
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))])
         for i, (rid, ids) in enumerate(zip(handle.rids, prompts)):
             key = prefix_key(ids, self.args.block_size, i)
-            k = route(key, [e.num_in_flight for e in self.engines], live, self.homes)
+            k = pick_engine(key, [e.num_in_flight for e in self.engines], live, self.homes)
             self.engines[k].num_in_flight += 1
             self.routes[rid] = (handle, i, RequestOutput(rid, None, ids, None, [], False), k)
             self.engines[k].client.add((rid, ids, params, stream))

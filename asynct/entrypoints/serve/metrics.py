@@ -26,8 +26,10 @@ COUNTERS = [
     ("prompt_tokens_total", "prompt tokens computed", lambda s, e: s["prompt_tokens"]),
     ("generation_tokens_total", "tokens generated", lambda s, e: s["generation_tokens"]),
     ("engine_steps_total", "engine steps", lambda s, e: s["steps"]),
-    ("prefix_cache_queries_total", "prompt blocks looked up in the prefix cache", lambda s, e: s["prefix_queries"]),
-    ("prefix_cache_hits_total", "prompt blocks the prefix cache served", lambda s, e: s["prefix_hits"]),
+    # in blocks, not tokens as vLLM's prefix_cache_queries / _hits: other names
+    ("prefix_cache_queried_blocks_total", "prompt blocks looked up in the prefix cache",
+     lambda s, e: s["prefix_queries"]),
+    ("prefix_cache_hit_blocks_total", "prompt blocks the prefix cache served", lambda s, e: s["prefix_hits"]),
     ("num_preemptions_total", "sequences preempted for lack of KV blocks", lambda s, e: s["preemptions"]),
     ("requests_aborted_total", "requests aborted because their client left", lambda s, e: e.num_aborted),
 ]
