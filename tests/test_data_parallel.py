@@ -109,6 +109,7 @@ def test_a_prefix_goes_back_to_the_engine_that_cached_it(dp_llm):
     dp_llm.generate([{"prompt_token_ids": p} for p in (first, second)], params, use_tqdm=False)
     again = dp_llm.generate([{"prompt_token_ids": second[:-2] + [5, 6]}], params, use_tqdm=False)[0]
     assert again.error is None and again.num_cached_tokens == 32
+    assert dp_llm.llm_engine.num_kv_blocks == 2 * ENGINE["num_kv_blocks"]   # what lm-eval sizes its waves by
 
 
 def spawn_env_report(args):

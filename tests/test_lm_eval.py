@@ -122,6 +122,34 @@ def test_choices_take_their_shared_context_from_the_prefix_cache(engine_lm, hf_l
         assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
 
 
+def test_context_waves_come_in_chunks_that_fit_the_cache():
+    """Each context's first request, then its others; contexts in chunks of at most `budget`
+    context tokens, chunk after chunk; a context of no full block never waits."""
+    from asynct.integrations.lm_eval import _context_waves
+    a, b, c, short = [1] * 20, [2] * 20, [3] * 20, [4] * 5
+    inputs = [a + [9], a + [8], b + [9], short + [9], short + [8], c + [9], b + [8], c + [8], a + [7]]
+    ctxlens = [20, 20, 20, 5, 5, 20, 20, 20, 20]
+    assert _context_waves(inputs, ctxlens, 16, budget=45) == [[0, 2, 3, 4], [1, 6, 8], [5], [7]]
+    assert _context_waves(inputs, ctxlens, 16, budget=10**6) == [[0, 2, 3, 4, 5], [1, 6, 7, 8]]
+
+
+def test_choices_hit_the_cache_when_their_contexts_outgrow_it(hf_lm):
+    """Twelve questions' contexts fill the KV cache three times over: chunked waves keep each
+    chunk's contexts cached until their other choices come (one wave of all twelve first evicted
+    the early ones), with scores as the reference's."""
+    from lm_eval.api.instance import Instance
+    questions = [f"Question: Tom has {a} apples and buys {a + 7} more apples at the shop on the corner. "
+                 f"How many apples does Tom have now?\nAnswer:" for a in range(10, 22)]
+    pairs = [Instance("loglikelihood", {}, (q, f" {c}"), 0) for q in questions for c in (7, 21, 35, 1)]
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=256)
+    got = lm.loglikelihood(pairs)
+    bs = lm.llm.llm_engine.block_manager.block_size
+    shared = sum((len(lm.tok_encode(q)) - 1) // bs * bs for q in questions)
+    assert lm.prompt_tokens["cached"] >= 3 * shared > 0, (lm.prompt_tokens, shared)
+    for (x, gx), (y, gy) in zip(got, hf_lm.loglikelihood(pairs)):
+        assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
+
+
 def eval_cli(*argv) -> int:
     from asynct.entrypoints.cli import main
     return main(["eval", *map(str, argv)])

@@ -101,6 +101,11 @@ class DataParallelEngine:
         return done
 
     @property
+    def num_kv_blocks(self) -> int:
+        """All engines' KV blocks (their last snapshots'), as LLMEngine.num_kv_blocks."""
+        return sum(s["blocks_total"] for s in self.snapshots)
+
+    @property
     def stats(self) -> dict:
         return {k: sum(s[k] for s in self.snapshots) for k in ("prompt_tokens", "generation_tokens", "steps")}
 

@@ -95,6 +95,10 @@ class LLMEngine:
         self._last_step_end = None
         self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
 
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
     def summary(self) -> dict:
         """What the engine was built with, for start-up logs."""
         r = self.runner

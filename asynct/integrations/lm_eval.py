@@ -147,7 +147,9 @@ class AsyncTLM(TemplateLM):
         params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
                   for n in ctxlens]
         outs = [None] * len(inputs)
-        for wave in _context_waves(inputs, ctxlens, self.llm.llm_engine.args.block_size):
+        engine = self.llm.llm_engine
+        budget = engine.num_kv_blocks * engine.args.block_size // 2
+        for wave in _context_waves(inputs, ctxlens, engine.args.block_size, budget):
             done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
                                   disable_tqdm)
             for i, out in zip(wave, done):
@@ -185,17 +187,26 @@ class AsyncTLM(TemplateLM):
         return outs
 
 
-def _context_waves(inputs, ctxlens, block_size) -> list[list[int]]:
-    """Request indices in two waves: each context's first request, then the rest. The prefix
-    cache serves only what earlier steps computed, and a step admits many requests at once: a
+def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
+    """Request indices in waves: each context's first request, then the rest. The prefix cache
+    serves only what earlier steps computed, and a step admits many requests at once: a
     question's choices submitted together would each compute the shared context. A context of
-    no full block before its last token (which the cache cannot serve) never waits."""
-    seen, waves = set(), ([], [])
+    no full block before its last token (which the cache cannot serve) never waits. Contexts go
+    in chunks of at most `budget` context tokens (a share of the KV cache), each chunk's two
+    waves before the next chunk's: a first wave larger than the cache would evict its first
+    contexts before their second wave came for them."""
+    chunk_of, sizes, waves = {}, [], []
     for i, (ids, n) in enumerate(zip(inputs, ctxlens)):
         key = tuple(ids[:n])
-        waves[n > block_size and key in seen].append(i)
-        seen.add(key)
-    return [w for w in waves if w]
+        later = key in chunk_of
+        if not later:
+            if not sizes or sizes[-1] + n > budget:
+                sizes.append(0)
+                waves.append(([], []))
+            chunk_of[key] = len(sizes) - 1
+            sizes[-1] += n
+        waves[chunk_of[key]][n > block_size and later].append(i)
+    return [wave for chunk in waves for wave in chunk if wave]
 
 
 def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
