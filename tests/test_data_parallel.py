@@ -13,7 +13,7 @@ import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.engine.core_client import CoreClient, gpus_for
-from asynct.engine.data_parallel import PrefixHomes, assign, pick_engine, prefix_key
+from asynct.engine.data_parallel import PrefixHomes, assign, pick_engine, prefix_keys
 from asynct.engine.engine_args import EngineArgs
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
@@ -60,32 +60,47 @@ def test_assign_balances_work_and_keeps_prefixes_together():
     assert assign([5, 5], ["q", "r"], [0, 0], {"q": 1, "r": 1}) == [1, 0]
     assert assign([5], ["q"], [0, 0], {"q": 1}) == [1]           # alone: one piece of imbalance
     assert assign([5], ["q"], [100, 0], {"q": 0}) == [1]
-    assert prefix_key([1] * 17, 16, 0) == prefix_key([1] * 16 + [2, 3], 16, 1)
-    assert prefix_key([1] * 16, 16, 0) != prefix_key([1] * 16, 16, 1)   # no full block to share
-    # only full-block keys get a home: a short prompt's key is its place in its batch
+
+
+def test_prefix_keys_name_the_cacheable_blocks_and_homes_find_the_deepest():
+    """A key per full block before the last token, each naming all blocks up to it; the homes
+    give the deepest key a live engine holds, the least loaded of its holders."""
+    shared, q1, q2 = [1] * 32, [2] * 16, [3] * 16
+    a, b = prefix_keys(shared + q1 + [7], 16), prefix_keys(shared + q2 + [8, 9], 16)
+    assert len(a) == len(b) == 3 and a[:2] == b[:2] and a[2] != b[2]
+    assert prefix_keys([1] * 16, 16) == [] and len(prefix_keys([1] * 17, 16)) == 1
+    assert prefix_keys(q1 + shared + [7], 16)[1] != a[1]      # same block, other blocks before it
     homes = PrefixHomes()
-    homes.remember(prefix_key([1] * 16, 16, 0), 1)
-    homes.remember(prefix_key([1] * 17, 16, 0), 1)
-    assert list(homes.engines) == [prefix_key([1] * 17, 16, 0)]
+    homes.remember(a, 0)
+    homes.remember(b, 1)
+    homes.remember(b[:2], 0)
+    assert homes.deepest(a, [5, 0], [0, 1]) == (a[2], 0)      # a's own block: on 0 only
+    assert homes.deepest(b, [0, 5], [0, 1]) == (b[2], 1)
+    assert homes.deepest(b, [0, 5], [0]) == (b[1], 0)         # 1 dead: the shared blocks, on 0
+    assert homes.deepest(prefix_keys([4] * 40, 16), [0, 0], [0, 1]) == (None, None)
+    small = PrefixHomes(limit=3)
+    small.remember(a, 0)
+    small.remember(b, 1)       # b's first two keys are a's, refreshed: a's own third is the oldest
+    assert list(small.engines) == b and small.engines[b[0]] == [0, 1]
 
 
 def test_pick_engine_keeps_a_prefix_where_it_is_cached_while_balanced():
     """The server's choice, one request at a time: a prefix's engine takes it up to a slack of a
     quarter of the mean load (at least one request) over the least-loaded engine; past that the
     least-loaded takes it and holds the prefix too; dead engines and forgotten keys count not."""
-    homes, a, b = PrefixHomes(limit=2), prefix_key([1] * 17, 16, 0), prefix_key([2] * 17, 16, 0)
+    homes, a, b = PrefixHomes(limit=2), prefix_keys([1] * 17, 16), prefix_keys([2] * 17, 16)
     assert pick_engine(a, [0, 0], [0, 1], homes) == 0
     assert pick_engine(b, [1, 0], [0, 1], homes) == 1
     assert pick_engine(a, [4, 5], [0, 1], homes) == 0
     assert pick_engine(b, [4, 5], [0, 1], homes) == 1       # one over the least: within the slack
     assert pick_engine(b, [4, 6], [0, 1], homes) == 0       # two over: the least-loaded, now b's too
-    assert homes.engines[b] == [1, 0] and pick_engine(b, [9, 6], [0, 1], homes) == 1
-    assert homes.best(b, [0, 0], [0]) == 0 and homes.best(b, [0, 0], []) is None
+    assert homes.engines[b[0]] == [1, 0] and pick_engine(b, [9, 6], [0, 1], homes) == 1
+    assert homes.best(b[0], [0, 0], [0]) == 0 and homes.best(b[0], [0, 0], []) is None
     assert pick_engine(a, [30, 25], [0, 1], homes) == 0     # slack 55 // 8 = 6: 5 over, within
     assert pick_engine(a, [30, 20], [0, 1], homes) == 1     # 10 over: the least-loaded
-    homes.remember(prefix_key([3] * 17, 16, 0), 0)    # a third key: the oldest (b) is forgotten
-    assert b not in homes.engines
-    assert pick_engine(prefix_key([5], 16, 3), [2, 1], [0, 1], homes) == 1 and len(homes.engines) == 2
+    homes.remember(prefix_keys([3] * 17, 16), 0)      # a third key: the oldest (b's) is forgotten
+    assert b[0] not in homes.engines
+    assert pick_engine(prefix_keys([5], 16), [2, 1], [0, 1], homes) == 1 and len(homes.engines) == 2
 
 
 def test_two_engines_equal_one(dp_llm, tiny_ckpt):
@@ -110,6 +125,21 @@ def test_a_prefix_goes_back_to_the_engine_that_cached_it(dp_llm):
     again = dp_llm.generate([{"prompt_token_ids": second[:-2] + [5, 6]}], params, use_tqdm=False)[0]
     assert again.error is None and again.num_cached_tokens == 32
     assert dp_llm.llm_engine.num_kv_blocks == 2 * ENGINE["num_kv_blocks"]   # what lm-eval sizes its waves by
+
+
+def test_a_questions_choices_follow_their_question_not_the_few_shot_prefix(dp_llm):
+    """lm-eval's waves on a few-shot task: five contexts share two blocks of examples; each
+    context's first choice runs first (E, A, D land on engine 0, B, C on engine 1), then the other
+    choices of A-D. Each goes where its own question's block is cached, so every one takes all
+    three blocks from the cache (grouped by the shared first block, half took only two)."""
+    shot = [61] * 32
+    questions = {name: shot + [t] * 16 for name, t in zip("EABCD", range(70, 75))}
+    params = SamplingParams(temperature=0, max_tokens=1)
+    first = dp_llm.generate([{"prompt_token_ids": q + [1]} for q in questions.values()], params, use_tqdm=False)
+    assert all(o.error is None for o in first)
+    others = [{"prompt_token_ids": questions[n] + [c]} for n in "ABCD" for c in (2, 3, 4)]
+    cached = [o.num_cached_tokens for o in dp_llm.generate(others, params, use_tqdm=False)]
+    assert cached == [48] * 12, cached
 
 
 def spawn_env_report(args):

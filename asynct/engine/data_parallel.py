@@ -2,8 +2,9 @@
 interface (add_request, step, abort_request), so that `LLM.generate` drives them unchanged.
 
 Requests added between two steps are assigned together at the next step, to balance the work
-(prompt + expected output tokens) and to keep prompts that share their first KV block on one
-engine, where its prefix cache serves them all. A process that dies fails its own requests, with
+(prompt + expected output tokens) and to keep prompts that share KV blocks on one engine, where
+its prefix cache serves them all: grouped by the deepest prefix an engine already holds (a
+question's other choices: their question), else by their first block. A process that dies fails its own requests, with
 an error naming it; the other engines' requests go on."""
 import logging
 import queue
@@ -22,8 +23,8 @@ from asynct.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("asynct")
 POLL_S = 1.0     # how long a step waits for a message before checking that the engines live
-MAX_HOMES = 1 << 16   # prefix keys remembered for routing (a key: one block of token ids)
-ALONE = "alone"       # first item of the key of a prompt with no full block
+MAX_HOMES = 1 << 18   # prefix keys remembered for routing (a key: a prompt's first j blocks)
+ALONE = "alone"       # first item of the group of a prompt with no full block
 
 
 @dataclass
@@ -127,14 +128,26 @@ class DataParallelEngine:
                 self._fail(rid, "every engine process has exited; make a new LLM")
             return
         reqs = [self.requests[rid] for rid in rids]
-        keys = [prefix_key(r.out.prompt_token_ids, self.args.block_size, i) for i, r in enumerate(reqs)]
-        homes = {key: live.index(k) for key in keys if (k := self.homes.best(key, self.load, live)) is not None}
-        chosen = assign([r.work for r in reqs], keys, [self.load[k] for k in live], homes)
-        for rid, r, key, c in zip(rids, reqs, keys, chosen):
-            self.homes.remember(key, live[c])
+        keys = [prefix_keys(r.out.prompt_token_ids, self.args.block_size) for r in reqs]
+        groups, homes = self._groups(keys, live)
+        chosen = assign([r.work for r in reqs], groups, [self.load[k] for k in live], homes)
+        for rid, r, ks, c in zip(rids, reqs, keys, chosen):
+            self.homes.remember(ks, live[c])
             r.engine = live[c]
             self.load[r.engine] += r.work
             self.clients[r.engine].add((rid, r.out.prompt_token_ids, r.params, False))
+
+    def _groups(self, keys: list[list[int]], live: list[int]):
+        """Each request's group for `assign` and the groups' homes (indices into `live`): its
+        deepest prefix a live engine holds (a question's other choices: their question), else
+        its first block (a few-shot prefix nobody holds yet), else a group of its own."""
+        groups, homes = [], {}
+        for i, ks in enumerate(keys):
+            key, k = self.homes.deepest(ks, self.load, live)
+            if k is not None:
+                homes[key] = live.index(k)
+            groups.append(key if k is not None else ks[0] if ks else (ALONE, i))
+        return groups, homes
 
     # ---- messages ---------------------------------------------------------------------------
     def _on_message(self, k: int, msg):
@@ -183,27 +196,31 @@ class DataParallelEngine:
         self._finish(rid)
 
 
-def prefix_key(ids: list[int], block_size: int, index: int):
-    """Prompts with the same first full KV block share a key; a prompt of no full block (which
-    the prefix cache cannot serve) gets its own."""
-    return tuple(ids[:block_size]) if len(ids) > block_size else (ALONE, index)
+def prefix_keys(ids: list[int], block_size: int) -> list[int]:
+    """One key per full KV block the prefix cache can serve (all but a last token's), the j-th
+    naming the prompt's first j blocks (a hash chain, as the block manager's): prompts share a
+    key exactly where they share their blocks."""
+    keys, h = [], 0
+    for j in range((len(ids) - 1) // block_size):
+        h = hash((h, tuple(ids[j * block_size:(j + 1) * block_size])))
+        keys.append(h)
+    return keys
 
 
 class PrefixHomes:
-    """The engines whose prefix caches got each prefix key, so that a later request of the key (a
-    question's other choices, say) goes where its blocks are cached while that keeps the load
-    balanced. The oldest keys are forgotten; a prompt of no full block has a key of its own (its
-    place in its batch), so it is not kept."""
+    """The engines whose prefix caches got each prefix key, so that a later request sharing it
+    (a question's other choices, say) goes where its blocks are cached while that keeps the load
+    balanced. The oldest keys are forgotten."""
 
     def __init__(self, limit: int = MAX_HOMES):
         self.limit, self.engines = limit, OrderedDict()
 
-    def remember(self, key, engine: int):
-        if key[0] == ALONE:
-            return
-        engines = self.engines.pop(key, [])
-        self.engines[key] = engines if engine in engines else engines + [engine]
-        if len(self.engines) > self.limit:
+    def remember(self, keys: list[int], engine: int):
+        """A prompt's keys (prefix_keys), all now cached on `engine`."""
+        for key in keys:
+            engines = self.engines.pop(key, [])
+            self.engines[key] = engines if engine in engines else engines + [engine]
+        while len(self.engines) > self.limit:
             self.engines.popitem(last=False)
 
     def best(self, key, loads, live) -> int | None:
@@ -211,17 +228,26 @@ class PrefixHomes:
         cached = [k for k in self.engines.get(key, ()) if k in live]
         return min(cached, key=lambda k: loads[k]) if cached else None
 
+    def deepest(self, keys: list[int], loads, live):
+        """(the deepest of a prompt's keys a live engine holds, the least-loaded such engine),
+        or (None, None)."""
+        for key in reversed(keys):
+            k = self.best(key, loads, live)
+            if k is not None:
+                return key, k
+        return None, None
 
-def pick_engine(key, in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
+
+def pick_engine(keys: list[int], in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
     """The engine for one request arriving alone (the server's): the least-loaded live engine
-    holding its prefix while it has at most a quarter of the mean load (at least one request)
-    more in flight than the least-loaded engine, else the least-loaded, which then holds the
-    prefix too: a prefix every request shares ends up cached everywhere, balanced."""
+    holding its deepest cached prefix while it has at most a quarter of the mean load (at least
+    one request) more in flight than the least-loaded engine, else the least-loaded, which then
+    holds the prefix too: a prefix every request shares ends up cached everywhere, balanced."""
     least = min(live, key=lambda k: in_flight[k])
-    home = homes.best(key, in_flight, live)
+    _, home = homes.deepest(keys, in_flight, live)
     slack = max(1, sum(in_flight[k] for k in live) // (4 * len(live)))
     k = home if home is not None and in_flight[home] <= in_flight[least] + slack else least
-    homes.remember(key, k)
+    homes.remember(keys, k)
     return k
 
 

@@ -11,7 +11,7 @@ from collections import deque
 
 from asynct.engine.core_client import CoreClient, start_engines
 from asynct.engine.core_proc import apply_delta
-from asynct.engine.data_parallel import PrefixHomes, pick_engine, prefix_key
+from asynct.engine.data_parallel import PrefixHomes, pick_engine, prefix_keys
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.inputs import check_prompt
 from asynct.engine.llm_engine import LLMEngine
@@ -147,8 +147,8 @@ class AsyncEngine:
         base = f"req-{next(self.ids)}"
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))])
         for i, (rid, ids) in enumerate(zip(handle.rids, prompts)):
-            key = prefix_key(ids, self.args.block_size, i)
-            k = pick_engine(key, [e.num_in_flight for e in self.engines], live, self.homes)
+            keys = prefix_keys(ids, self.args.block_size)
+            k = pick_engine(keys, [e.num_in_flight for e in self.engines], live, self.homes)
             self.engines[k].num_in_flight += 1
             self.routes[rid] = (handle, i, RequestOutput(rid, None, ids, None, [], False), k)
             self.engines[k].client.add((rid, ids, params, stream))
