@@ -81,7 +81,7 @@ def test_prefix_keys_name_the_cacheable_blocks_and_homes_find_the_deepest():
     small = PrefixHomes(limit=3)
     small.remember(a, 0)
     small.remember(b, 1)       # b's first two keys are a's, refreshed: a's own third is the oldest
-    assert list(small.engines) == b and small.engines[b[0]] == [0, 1]
+    assert list(small.engines) == b[::-1] and small.engines[b[0]] == [0, 1]   # shallow keys go last
 
 
 def test_pick_engine_keeps_a_prefix_where_it_is_cached_while_balanced():
@@ -101,6 +101,12 @@ def test_pick_engine_keeps_a_prefix_where_it_is_cached_while_balanced():
     homes.remember(prefix_keys([3] * 17, 16), 0)      # a third key: the oldest (b's) is forgotten
     assert b[0] not in homes.engines
     assert pick_engine(prefix_keys([5], 16), [2, 1], [0, 1], homes) == 1 and len(homes.engines) == 2
+    # the deepest holder too busy: a shallower prefix's holder within the slack, before the least-loaded
+    homes, shot = PrefixHomes(), [8] * 32
+    homes.remember(prefix_keys(shot + [9] * 16 + [1], 16), 0)
+    homes.remember(prefix_keys(shot + [1], 16), 1)
+    assert pick_engine(prefix_keys(shot + [9] * 16 + [2], 16), [10, 3, 2], [0, 1, 2], homes) == 1
+    assert pick_engine(prefix_keys(shot + [9] * 16 + [2], 16), [3, 3, 2], [0, 1, 2], homes) == 0
 
 
 def test_two_engines_equal_one(dp_llm, tiny_ckpt):
@@ -128,13 +134,14 @@ def test_a_prefix_goes_back_to_the_engine_that_cached_it(dp_llm):
 
 
 def test_a_questions_choices_follow_their_question_not_the_few_shot_prefix(dp_llm):
-    """lm-eval's waves on a few-shot task: five contexts share two blocks of examples; each
-    context's first choice runs first (E, A, D land on engine 0, B, C on engine 1), then the other
-    choices of A-D. Each goes where its own question's block is cached, so every one takes all
-    three blocks from the cache (grouped by the shared first block, half took only two)."""
+    """lm-eval's waves on a few-shot task, with its parameters (the continuation's logprobs
+    only): five contexts share two blocks of examples; each context's first choice runs first
+    (E, A, D land on engine 0, B, C on engine 1), then the other choices of A-D. Each goes where
+    its own question's block is cached, so every one takes all three blocks from the cache
+    (grouped by the shared first block, some took only the two shared ones)."""
     shot = [61] * 32
-    questions = {name: shot + [t] * 16 for name, t in zip("EABCD", range(70, 75))}
-    params = SamplingParams(temperature=0, max_tokens=1)
+    questions = {name: shot + [t] * 17 for name, t in zip("EABCD", range(70, 75))}
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=49)
     first = dp_llm.generate([{"prompt_token_ids": q + [1]} for q in questions.values()], params, use_tqdm=False)
     assert all(o.error is None for o in first)
     others = [{"prompt_token_ids": questions[n] + [c]} for n in "ABCD" for c in (2, 3, 4)]

@@ -197,9 +197,10 @@ class DataParallelEngine:
 
 
 def prefix_keys(ids: list[int], block_size: int) -> list[int]:
-    """One key per full KV block the prefix cache can serve (all but a last token's), the j-th
-    naming the prompt's first j blocks (a hash chain, as the block manager's): prompts share a
-    key exactly where they share their blocks."""
+    """One key per full KV block before the prompt's last token (what the prefix cache keeps of
+    it; a request with prompt logprobs is served fewer), the j-th naming the prompt's first j
+    blocks (a hash chain, as the block manager's): prompts share a key exactly where they share
+    their blocks."""
     keys, h = [], 0
     for j in range((len(ids) - 1) // block_size):
         h = hash((h, tuple(ids[j * block_size:(j + 1) * block_size])))
@@ -216,8 +217,9 @@ class PrefixHomes:
         self.limit, self.engines = limit, OrderedDict()
 
     def remember(self, keys: list[int], engine: int):
-        """A prompt's keys (prefix_keys), all now cached on `engine`."""
-        for key in keys:
+        """A prompt's keys (prefix_keys), all now cached on `engine`; its deepest are the first
+        forgotten, its shallow ones (shared more often) the last."""
+        for key in reversed(keys):
             engines = self.engines.pop(key, [])
             self.engines[key] = engines if engine in engines else engines + [engine]
         while len(self.engines) > self.limit:
@@ -239,14 +241,16 @@ class PrefixHomes:
 
 
 def pick_engine(keys: list[int], in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
-    """The engine for one request arriving alone (the server's): the least-loaded live engine
-    holding its deepest cached prefix while it has at most a quarter of the mean load (at least
-    one request) more in flight than the least-loaded engine, else the least-loaded, which then
-    holds the prefix too: a prefix every request shares ends up cached everywhere, balanced."""
+    """The engine for one request arriving alone (the server's): of the live engines holding a
+    prefix of it, the deepest such prefix whose least-loaded holder has at most a quarter of the
+    mean load (at least one request) more in flight than the least-loaded engine of all; else
+    that least-loaded engine, which then holds the prefix too: a prefix every request shares ends
+    up cached everywhere, balanced."""
     least = min(live, key=lambda k: in_flight[k])
-    _, home = homes.deepest(keys, in_flight, live)
     slack = max(1, sum(in_flight[k] for k in live) // (4 * len(live)))
-    k = home if home is not None and in_flight[home] <= in_flight[least] + slack else least
+    within = [k for k in live if in_flight[k] <= in_flight[least] + slack]
+    _, home = homes.deepest(keys, in_flight, within)
+    k = least if home is None else home
     homes.remember(keys, k)
     return k
 
