@@ -2,9 +2,9 @@
 
 The task is the shipped `tiny_gsm_bench`: 1,319 problems (gsm8k test's size), one shared 5-shot
 prefix, greedy, max_gen_toks 256; `--task tiny_gsm_mc` times a multiple-choice task instead (200
-questions x 4 choices, loglikelihood: arc_easy's shape). The model is a random-weight preset with the byte tokenizer:
-random weights rarely emit a stop string, so nearly every request decodes all 256 tokens, the
-worst case of gsm8k's workload. Each backend runs as its own process (start-up, model load and
+questions x 4 choices, loglikelihood: arc_easy's shape). The model is a random-weight preset
+with the byte tokenizer: random weights rarely emit a stop string, so nearly every request
+decodes all 256 tokens, the worst case of gsm8k's workload. Each backend runs as its own process (start-up, model load and
 CUDA graph capture count, as a user would see them), timed by wall clock.
 
     PYTHONPATH=. python3 benchmarks/eval_bench.py                          # GPU: bench-0.6b

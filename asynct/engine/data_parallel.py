@@ -4,14 +4,15 @@ interface (add_request, step, abort_request), so that `LLM.generate` drives them
 Requests added between two steps are assigned together at the next step, to balance the work
 (prompt + expected output tokens) and to keep prompts that share KV blocks on one engine, where
 its prefix cache serves them all: grouped by the deepest prefix an engine already holds (a
-question's other choices: their question), else by their first block. A process that dies fails its own requests, with
-an error naming it; the other engines' requests go on."""
+question's other choices: their question), else by their first block. A process that dies
+fails its own requests, with an error naming it; the other engines' requests go on."""
 import logging
 import queue
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from asynct.engine.block_manager import chain_hash
 from asynct.engine.core_client import start_engines
 from asynct.engine.core_proc import apply_delta
 from asynct.engine.detokenizer import Detokenizer
@@ -146,7 +147,11 @@ class DataParallelEngine:
             key, k = self.homes.deepest(ks, self.load, live)
             if k is not None:
                 homes[key] = live.index(k)
-            groups.append(key if k is not None else ks[0] if ks else (ALONE, i))
+            elif ks:
+                key = ks[0]
+            else:
+                key = (ALONE, i)
+            groups.append(key)
         return groups, homes
 
     # ---- messages ---------------------------------------------------------------------------
@@ -199,11 +204,11 @@ class DataParallelEngine:
 def prefix_keys(ids: list[int], block_size: int) -> list[int]:
     """One key per full KV block before the prompt's last token (what the prefix cache keeps of
     it; a request with prompt logprobs is served fewer), the j-th naming the prompt's first j
-    blocks (a hash chain, as the block manager's): prompts share a key exactly where they share
-    their blocks."""
-    keys, h = [], 0
+    blocks: the block manager's own chain hashes, so prompts share a key exactly where they
+    share their blocks."""
+    keys, h = [], -1
     for j in range((len(ids) - 1) // block_size):
-        h = hash((h, tuple(ids[j * block_size:(j + 1) * block_size])))
+        h = chain_hash(h, ids[j * block_size:(j + 1) * block_size])
         keys.append(h)
     return keys
 

@@ -1,8 +1,8 @@
 """lm-evaluation-harness backend `asynct`, shaped like lm-eval's vLLM backend.
 
 Every request type hands its whole workload to the engine in one `generate` call (loglikelihood:
-two), so continuous batching and prefix caching see all of it at once (lm-eval's `batch_size` is
-accepted and ignored):
+two per chunk of contexts that fits the KV cache), so continuous batching and prefix caching see
+all of it at once (lm-eval's `batch_size` is accepted and ignored):
 
 - `generate_until`: one request per context with its own stop strings and sampling params;
 - `loglikelihood`: prompt logprobs of context + continuation from a single prefill (max_tokens=1,

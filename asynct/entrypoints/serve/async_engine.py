@@ -1,8 +1,9 @@
 """The server's handle on its engine processes (one, or one per device with data parallel), each
 driven by a `CoreClient` (asynct/engine/core_client.py). Handlers only touch `routes` and their own
 queue, on the event loop; each client's receiver thread hands each message from its core to the
-loop in one `call_soon_threadsafe`. A request goes to an engine whose prefix cache holds its first
-block while that keeps the engines balanced, else to the one with the fewest in flight."""
+loop in one `call_soon_threadsafe`. A request goes to an engine whose prefix cache holds the
+deepest prefix of it while that keeps the engines balanced, else to the one with the fewest in
+flight (`pick_engine`)."""
 import asyncio
 import itertools
 import logging
