@@ -80,3 +80,26 @@ def test_async_equals_sync_bf16_graphs(gqa_ckpt):
                       for o in llm.generate(prompts, params, use_tqdm=False)]
         del llm
     assert outs[True] == outs[False]
+
+
+@gpu
+def test_lazy_decode_graphs_wait_for_a_decode_and_change_no_token(gqa_ckpt):
+    """Scoring prompts (lm-eval's loglikelihood) captures no decode graph; the first decode-only
+    step captures them with live sequences in the cache, compiling nothing, and the tokens equal
+    those of an engine that captured at start-up."""
+    from asynct.ops._triton import CompileCounter
+    prompts = [{"prompt_token_ids": list(range(1 + i, 40 + 13 * i))} for i in range(12)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+    outs = {}
+    for lazy in (True, False):
+        llm = LLM(gqa_ckpt, max_num_seqs=16, gpu_memory_utilization=0.3, lazy_decode_graphs=lazy)
+        runner = llm.llm_engine.runner
+        with CompileCounter() as counter:
+            llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+            assert (runner.graphs is None) == lazy
+            outs[lazy] = [(o.outputs[0].token_ids, [sorted(e) for e in o.outputs[0].logprobs])
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert runner.graphs is not None and counter.compiles == []
+        assert runner.capture_seconds["decode_graphs"] > 0
+        del llm, runner
+    assert outs[True] == outs[False]

@@ -260,3 +260,11 @@ def test_registered_by_name():
                                 tasks=["tiny_gsm"], limit=4, task_manager=task_manager())
     assert r["results"]["tiny_gsm"]["exact_match,strict-match"] == 1.0
     assert "hf" in lm_eval.api.registry.MODEL_REGISTRY  # registering ours kept the built-in models
+
+
+def test_decode_graphs_wait_for_a_generate_unless_asked(engine_lm):
+    """Loglikelihood tasks never decode: the engine lm-eval gets captures its decode graphs at
+    the first decode step (tests/test_gpu_runtime.py), unless model_args say otherwise."""
+    assert engine_lm.llm.llm_engine.args.lazy_decode_graphs is True
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", lazy_decode_graphs="false", num_kv_blocks=8)
+    assert lm.llm.llm_engine.args.lazy_decode_graphs is False

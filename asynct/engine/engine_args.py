@@ -24,6 +24,9 @@ class EngineArgs:
     # vLLM's modes: full graphs for decode-only steps, piecewise graphs (attention eager) for
     # steps with prefill tokens; "full_decode_only" leaves those eager
     cudagraph_mode: str = "full_and_piecewise"
+    # decode graphs captured at the first decode-only step, not at start-up: a run that never
+    # decodes (lm-eval's loglikelihood tasks) never pays for them (~1 s on bench-0.6b)
+    lazy_decode_graphs: bool = False
     kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
     num_kv_blocks: int | None = None      # overrides both sizings (tests)
     admission_batch: int | None = None    # free slots that admit waiting requests; default max_num_seqs // 16

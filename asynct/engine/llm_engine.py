@@ -69,7 +69,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
-                                  self.max_model_len, args.cudagraph_mode, args.kv_cache_dtype)
+                                  self.max_model_len, args.cudagraph_mode, args.kv_cache_dtype,
+                                  args.lazy_decode_graphs)
         t1 = time.perf_counter()
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:

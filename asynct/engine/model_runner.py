@@ -30,7 +30,7 @@ WARMUP_TOKENS = ops.SMALL_M + 1
 class ModelRunner:
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
                  max_num_seqs, max_num_batched_tokens, max_model_len, cudagraph_mode="none",
-                 kv_cache_dtype="auto"):
+                 kv_cache_dtype="auto", lazy_decode_graphs=False):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         if is_fp8(self.kv_dtype) and self.device.type == "cuda" and dtype == torch.float32:
@@ -54,6 +54,7 @@ class ModelRunner:
         self.model.eval()
         self.kv_cache = None
         self.graphs = self.piecewise = None
+        self.lazy_decode_graphs, self.decode_graphs_pending = lazy_decode_graphs, False
         graphs_possible = self.device.type == "cuda" and self.backend.supports_cuda_graphs
         self.cudagraph_mode = cudagraph_mode if graphs_possible else "none"
         if self.device.type == "cuda":
@@ -78,13 +79,22 @@ class ModelRunner:
             layer.attn.kv_cache = self.kv_cache[i]
         if capture and self.device.type == "cuda":
             self._warmup()
+        self.capture_seconds = {"decode_graphs": 0.0, "piecewise_graphs": 0.0}
+        self.decode_graphs_pending = capture and self.cudagraph_mode != "none"
+        if self.decode_graphs_pending and not self.lazy_decode_graphs:
+            self.capture_decode_graphs()
         t0 = time.perf_counter()
-        if capture and self.cudagraph_mode != "none":
-            self.graphs = CudaGraphRunner(self, self.max_num_seqs)
-        t1 = time.perf_counter()
         if capture and self.cudagraph_mode == "full_and_piecewise":
             self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
-        self.capture_seconds = {"decode_graphs": t1 - t0, "piecewise_graphs": time.perf_counter() - t1}
+        self.capture_seconds["piecewise_graphs"] = time.perf_counter() - t0
+
+    def capture_decode_graphs(self):
+        """At start-up, or (lazy_decode_graphs) before the first decode-only step. Capture writes
+        no KV (its slots are -1), so the cache's live sequences are safe mid-run."""
+        t0 = time.perf_counter()
+        self.graphs = CudaGraphRunner(self, self.max_num_seqs)
+        self.decode_graphs_pending = False
+        self.capture_seconds["decode_graphs"] = time.perf_counter() - t0
 
     def _compile_ahead(self):
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
@@ -176,6 +186,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queues the step's forward and sampling on the device; returns without waiting."""
+        if self.decode_graphs_pending and batch.num_decodes == len(batch.seqs):
+            self.capture_decode_graphs()
         t0 = time.perf_counter()
         ids, pos, step, pending = self.step_inputs(batch)
         metadata = self.builder.build(step)

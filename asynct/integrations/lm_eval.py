@@ -41,7 +41,8 @@ class AsyncTLM(TemplateLM):
         super().__init__()
         from asynct import LLM
         t0 = time.perf_counter()
-        self.llm = LLM(str(pretrained), **_engine_args(engine_kwargs))
+        # decode graphs wait for a first generate: loglikelihood tasks never decode
+        self.llm = LLM(str(pretrained), **{"lazy_decode_graphs": True, **_engine_args(engine_kwargs)})
         self.timings = {"load": time.perf_counter() - t0, "engine": 0.0}
         self.prompt_tokens = {"total": 0, "cached": 0}   # the cached ones were not computed
         self.tokenizer = self.llm.get_tokenizer()
