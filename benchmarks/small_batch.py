@@ -4,16 +4,18 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
         [--modes unfused,...,fused]
 
-1. Each layer op at 1, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the L2 prefetch,
-   and fused), graph-timed over enough distinct weight copies that every replay reads HBM (as 35
-   layers do), with the bandwidth its weights achieve. --sweep adds tile configs at 1 and 32 rows
-   (BLOCK_K, stages, warps, weight rows per program).
-2. Whole decode steps (full CUDA graphs) at batch 1, 8, 16, 24, 32 and 48, context 384, for an engine with
-   the fused linears, one with them but without programmatic dependent launch (every kernel
-   waits for the one before to drain), one whose QKV kernel leaves the KV write to the
-   attention backend, one whose linears do not prefetch their weights into L2 while the kernel
-   before runs, and one without fused linears, against the step's roofline: weights + KV
-   read once at the copy bandwidth."""
+1. Each layer op at 1, 2, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the L2
+   prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
+   enough distinct weight copies that every replay reads HBM (as 35 layers do), with the
+   bandwidth its weights achieve. --sweep adds tile configs at 1 and 32 rows (BLOCK_K, stages,
+   warps, weight rows per program).
+2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48, context 384,
+   for an engine with the fused linears, one with them but without programmatic dependent
+   launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
+   write to the attention backend, one whose linears do not prefetch their weights into L2
+   while the kernel before runs, one whose linears take dot tiles at every row count (no
+   GEMV), and one without fused linears, against the step's roofline: weights + KV read once at
+   the copy bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -76,6 +78,17 @@ def no_prefetch():
 
 
 @contextlib.contextmanager
+def no_gemv():
+    """The fused linears' 16-row dot tiles at every row count: the CUDA-core path's same-run peer."""
+    orig = fl.GEMV
+    fl.GEMV = {op: (0, *rest) for op, (_, *rest) in orig.items()}
+    try:
+        yield
+    finally:
+        fl.GEMV = orig
+
+
+@contextlib.contextmanager
 def tiles(half_tile=None, **changes):
     """Overrides of the fused kernels' launch options and rows per tile (the sweep's configs)."""
     orig, orig_half = fl._tiles, fl.HALF_TILE
@@ -123,10 +136,10 @@ def time_op(fn, shape, m):
 
 
 def ops_table(copy_bw, sweep):
-    print("\nop | rows | unfused us | fused, no PDL us | no L2 prefetch us | fused us | fused TB/s | "
-          "of copy BW | unfused / fused | no PDL / fused | no prefetch / fused")
+    print("\nop | rows | unfused us | fused, no PDL us | no L2 prefetch us | dot tiles us | fused us | fused TB/s | "
+          "of copy BW | unfused / fused | no PDL / fused | no prefetch / fused | dot tiles / fused")
     configs = SWEEP if sweep else []
-    for m in (1, 8, 16, 24, fl.SMALL_M):
+    for m in (1, 2, 8, 16, 24, fl.SMALL_M):
         for name, shape, fn in op_cases(m):
             with unfused():
                 t_u, _ = time_op(fn, shape, m)
@@ -134,9 +147,12 @@ def ops_table(copy_bw, sweep):
                 t_n, _ = time_op(fn, shape, m)
             with no_prefetch():
                 t_p, _ = time_op(fn, shape, m)
+            with no_gemv():
+                t_g, _ = time_op(fn, shape, m)
             t_f, bw = time_op(fn, shape, m)
-            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_p * 1e6:.1f} | {t_f * 1e6:.1f} | "
-                  f"{bw:.2f} | {bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f} | {t_p / t_f:.2f}", flush=True)
+            print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_p * 1e6:.1f} | {t_g * 1e6:.1f} | "
+                  f"{t_f * 1e6:.2f} | {bw:.2f} | {bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f} | "
+                  f"{t_p / t_f:.2f} | {t_g / t_f:.2f}", flush=True)
             for bk, st, w, hb in (configs if m in (1, fl.SMALL_M) else []):
                 name = f"bk{bk} st{st} w{w} rows{2 * hb}"
                 with tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w):
@@ -171,11 +187,11 @@ def engine_steps(model, mode, batches, context):
 
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
-         "no L2 prefetch": no_prefetch, "fused": contextlib.nullcontext}
+         "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "fused": contextlib.nullcontext}
 
 
 def steps_table(model, copy_bw, names, context=384):
-    batches = (1, 8, 16, 24, 32, 48)
+    batches = (1, 2, 4, 8, 16, 24, 32, 48)
     modes = {n: MODES[n] for n in MODES if n in names}
     ms = {}
     for name, mode in modes.items():

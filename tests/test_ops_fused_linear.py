@@ -255,6 +255,21 @@ def test_launch_plan_row_tiles_and_shared_memory():
         assert smem <= 128 << 10
 
 
+def test_launch_plan_gemv_rows():
+    """The CUDA-core path where it won: one row for every op, two for o_proj/down only, dot tiles
+    of 16 weight rows past that; its K tile never wider than K needs."""
+    from asynct.ops.fused_linear import GEMV, TILE_N, _plan
+    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"dyht_add"}), (3, set())]:
+        x = torch.zeros(rows, 96, dtype=torch.bfloat16)
+        for op in GEMV:
+            n, plan = _plan(x, 96, op)
+            assert (plan is not None) == (op in ops), (rows, op)
+            if plan:
+                assert plan["GEMV"] and plan["BLOCK_M"] == rows and plan["BLOCK_K"] == 128 and not plan["EVEN_K"]
+            else:
+                assert n == TILE_N
+
+
 def test_dispatch_off_gpu_is_the_reference():
     gen = torch.Generator().manual_seed(0)
     x, w, res = torch.randn(3, 32, generator=gen), torch.randn(48, 32, generator=gen), torch.randn(3, 48)

@@ -109,12 +109,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self):
-        """Every kernel compiles now, not in the middle of serving: forwards of one token and of
-        SMALL_M (the decode-sized fused linears at both row tiles, the QKV one storing k/v,
-        prefill), one just past them (the unfused elementwise kernels, the KV write), the QKV
+        """Every kernel compiles now, not in the middle of serving: forwards of one and two tokens
+        (the fused linears' CUDA-core path) and of SMALL_M (their dot tiles at both row tiles,
+        the QKV one storing k/v, prefill), one just past them (the unfused elementwise kernels, the KV write), the QKV
         kernel without its store at both row tiles (what a piecewise graph's small pieces run),
         then the attention variants none can reach."""
-        for n in sorted({1, ops.SMALL_M, WARMUP_TOKENS}):
+        for n in sorted({1, 2, ops.SMALL_M, WARMUP_TOKENS}):
             n = min(n, self.num_kv_blocks * self.block_size)
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)

@@ -23,6 +23,10 @@ SMALL_M = 32
 L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.py
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
+# The CUDA-core path (GEMV) where it beat the tl.dot kernels (H200, bench-0.6b's shapes, the best
+# of 50 configs; benchmarks/RESULTS.md): (most activation rows, weight rows a program, K tile,
+# warps). QKV and gate/up lose or tie at two rows (gate/up 0.95x as ops).
+GEMV = {"qkv": (1, 8, 512, 4), "reglu": (1, 4, 1024, 4), "dyht_add": (2, 2, 1024, 4)}
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
@@ -104,7 +108,19 @@ def _tiles(x, k, tiles):
     # stages of activation + weight tiles within 128 KiB of shared memory (fp32 at 32 rows: 2)
     stages = min(3 if block_k == 512 else 4, (128 << 10) // ((block_m + TILE_N) * block_k * x.element_size()))
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
-                num_warps=4 if tiles < sms else 2, num_stages=stages, LINES=lines, **pdl)
+                num_warps=4 if tiles < sms else 2, num_stages=stages, LINES=lines, GEMV=False, **pdl)
+
+
+def _plan(x, k, op):
+    """(weight rows a program, launch options) of `op` (a GEMV key) over a K-wide stream: the
+    CUDA-core path for as few rows as it wins at, else 16-row dot tiles (_tiles, which needs
+    the program count: the caller's)."""
+    most, rows, block_k, warps = GEMV[op]
+    if x.shape[0] > most:
+        return TILE_N, None
+    block_k = min(block_k, triton.next_power_of_2(k))
+    return rows, dict(BLOCK_M=x.shape[0], BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="ieee",
+                      num_warps=warps, num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
 
 
 def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
@@ -146,11 +162,12 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         k_out, v = outs = tuple(torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device)
                                 for _ in range(2))
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
-    tiles = (num_heads + 2 * num_kv_heads) * d // (2 * HALF_TILE)
+    rows, plan = _plan(x, k, "qkv")
+    tiles = (num_heads + 2 * num_kv_heads) * d // rows
     qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
                                num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
-                               HALF=d // 2, HB=HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8,
-                               **_tiles(x, k, tiles))
+                               HALF=d // 2, HB=rows // 2 if plan else HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8,
+                               **(plan or _tiles(x, k, tiles)))
     return q, k_out, v
 
 
@@ -160,9 +177,10 @@ def linear_reglu_triton(x, weight):
         raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
     (t, k), i = x.shape, weight.shape[0] // 2
     out = torch.empty(t, i, dtype=x.dtype, device=x.device)
-    tiles = triton.cdiv(i, HALF_TILE)
-    gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=HALF_TILE,
-                                    **_tiles(x, k, tiles))
+    rows, plan = _plan(x, k, "reglu")
+    hb = rows // 2 if plan else HALF_TILE
+    tiles = triton.cdiv(i, hb)
+    gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=hb, **(plan or _tiles(x, k, tiles)))
     return out
 
 
@@ -176,10 +194,11 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
     pa, pw = (post_alpha, post_weight) if has_post else (alpha, dyht_weight)
     strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
-    tiles = triton.cdiv(n, TILE_N)
+    rows, plan = _plan(x, k, "dyht_add")
+    tiles = triton.cdiv(n, rows)
     linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
-        *strides, HAS_POST=has_post, BLOCK_N=TILE_N, **_tiles(x, k, tiles))
+        *strides, HAS_POST=has_post, BLOCK_N=rows, **(plan or _tiles(x, k, tiles)))
     return hidden, normed
 
 

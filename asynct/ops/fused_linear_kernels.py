@@ -1,9 +1,9 @@
 """The Triton kernels of fused_linear.py: decode-sized linears (at most 32 rows) with their
-elementwise epilogue. Every program streams 16 weight rows (a 16-row dot with a tile of 16 or
-32 activation rows); RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j
-and up j), so their programs load the two halves as one 16-row tile and split the
-accumulator. The accumulator is rounded to the activation dtype before the epilogue, as the
-unfused ops receive it."""
+elementwise epilogue. A program streams 16 weight rows (a 16-row dot with a tile of 16 or 32
+activation rows), or, for one or two activation rows (GEMV), 2-8 weight rows multiplied on the
+CUDA cores; RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j),
+so their programs load the two halves as one tile and split the accumulator. The accumulator
+is rounded to the activation dtype before the epilogue, as the unfused ops receive it."""
 from asynct.ops._triton import jit as _jit, prefetch_l2, tl, wait_for_prior
 from asynct.ops.kv_cache import store_cache_rows
 
@@ -39,6 +39,45 @@ def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @_jit
+def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """_dot_rows for one or two activation rows (BLOCK_M), on the CUDA cores: K is unrolled, so
+    all of a program's weight loads go out at once, straight into registers, and a 16-row dot
+    tile's 15 empty rows cost nothing. Fewer weight rows a program than a dot tile's 16 make
+    more programs (o_proj: 512, not 64), so every SM streams. No L2 prefetch before the wait:
+    batch-1 steps 1.07x slower with it (H200, benchmarks/RESULTS.md)."""
+    kk = tl.arange(0, BLOCK_K)
+    base = w_ptr + tl.where(rmask, rows, 0).to(tl.int64)[:, None] * K
+    wait_for_prior(PDL)
+    acc0 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+    acc1 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+    for k0 in tl.static_range(0, K, BLOCK_K):
+        km = k0 + kk < K
+        w = tl.load(base + k0 + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
+        acc0 += w * tl.load(x_ptr + k0 + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+        if BLOCK_M == 2:
+            x1 = tl.load(x_ptr + sx + k0 + kk, mask=km & (M > 1), other=0.0)
+            acc1 += w * x1.to(tl.float32)[None, :]
+    if BLOCK_M == 2:
+        acc = tl.trans(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)))
+    else:
+        acc = tl.sum(acc0, axis=1)[None, :]
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@_jit
+def _weight_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                 PDL: tl.constexpr, LINES: tl.constexpr, GEMV: tl.constexpr):
+    if GEMV:
+        acc = _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M, BLOCK_K, PDL)
+    else:
+        acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
+                        PDL, LINES)
+    return acc
+
+
+@_jit
 def _halves(acc, BLOCK_M: tl.constexpr, HB: tl.constexpr):
     """[BLOCK_M, 2 * HB] -> its first and second HB columns."""
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HB)), (0, 2, 1)))
@@ -52,20 +91,21 @@ def _dyht(x, a_ptr, w_ptr, cols, sa, sw):
 
 
 @_jit(do_not_specialize=["M", "HQ", "HKV"])
-def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K, HQ, HKV,
+def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K: tl.constexpr, HQ, HKV,
                      qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw,
                      kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head,
                      HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr, LINES: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr,
-                     FP8: tl.constexpr):
+                     FP8: tl.constexpr, GEMV: tl.constexpr):
     # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
     per_head: tl.constexpr = HALF // HB
     head = tl.program_id(0) // per_head
     d0 = (tl.program_id(0) % per_head) * HB
     j = tl.arange(0, 2 * HB)
     rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
+    acc = _weight_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
+                       LINES, GEMV)
     lo, hi = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     d = d0 + tl.arange(0, HB)
@@ -96,14 +136,15 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
 
 
 @_jit(do_not_specialize=["M"])
-def gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                          PDL: tl.constexpr, LINES: tl.constexpr):
+def gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K: tl.constexpr, I, HB: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                          PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, GEMV: tl.constexpr):
     # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
     j = tl.arange(0, 2 * HB)
     n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
     rows = tl.where(j < HB, n, n + I)
-    acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
+    acc = _weight_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
+                       LINES, GEMV)
     gate, up = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
@@ -113,12 +154,14 @@ def gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K, I, HB: tl.constexpr, B
 
 @_jit(do_not_specialize=["M"])
 def linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, dw_ptr, pa_ptr, pw_ptr,
-                            M, K, N, sa, sw, spa, spw, HAS_POST: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                            PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr):
+                            M, K: tl.constexpr, N, sa, sw, spa, spw, HAS_POST: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+                            LINES: tl.constexpr, GEMV: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    h = _dot_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL, LINES)
+    h = _weight_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL,
+                     LINES, GEMV)
     safe = tl.where(cmask, cols, 0)
     if HAS_POST:
         h = _dyht(h, pa_ptr, pw_ptr, safe, spa, spw)
