@@ -1,5 +1,7 @@
 """The engine against the reference model: greedy tokens, logprobs, preemption, chunking,
 prefix caching, sampling, stops, and every KV block freed."""
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -7,6 +9,8 @@ from transformers import AutoModelForCausalLM
 from asynct import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+TINY_GSM = Path(__file__).resolve().parents[1] / "models" / "tiny-gsm"     # the shipped trained model
+QUESTION = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
 
 
 def random_prompts(n, lo, hi, seed, prefix=()):
@@ -162,6 +166,30 @@ def test_stop_strings_and_tokens(tiny_ckpt):
                           use_tqdm=False)[0].outputs[0]
     assert by_tok.token_ids == base.token_ids[:base.token_ids.index(tok) + 1] and by_tok.stop_reason == tok
     assert_all_blocks_free(llm)
+
+
+@pytest.fixture(scope="module")
+def gsm():
+    return LLM(TINY_GSM)
+
+
+def test_stop_strings_wait_for_min_tokens(gsm):
+    """As vLLM: the text of the first min_tokens tokens is not searched for stop strings (the
+    model answers " 3 + 4 = 7\n#### 7": the first newline comes before 12 tokens), so it stays
+    whole and the first stop string after it ends the output."""
+    def gen(**kw):
+        return gsm.generate(QUESTION, SamplingParams(temperature=0, **kw), use_tqdm=False)[0].outputs[0]
+    whole = gen(max_tokens=40, min_tokens=12)
+    early = len(gsm.get_tokenizer().decode(whole.token_ids[:12]))
+    assert "\n" in whole.text[:early]
+    cut = gen(max_tokens=40, min_tokens=12, stop=["\n"])
+    assert cut.text == whole.text[:whole.text.index("\n", early)]
+    assert cut.token_ids == whole.token_ids[:len(cut.token_ids)]
+    assert (cut.finish_reason, cut.stop_reason) == ("stop", "\n")
+    # never past min_tokens: a stop string seen early neither cuts the text nor names the reason
+    short = gen(max_tokens=5, min_tokens=5, stop=[" "])
+    assert short.text == gsm.get_tokenizer().decode(short.token_ids) and short.text.count(" ") > 1
+    assert (short.finish_reason, short.stop_reason) == ("length", None)
 
 
 def test_bad_requests_fail_alone(tiny_ckpt):

@@ -81,6 +81,18 @@ def test_loglikelihood_rolling_same_per_sample(runs):
     assert math.isclose(res_a["bits_per_byte,none"], res_h["bits_per_byte,none"], rel_tol=1e-6)
 
 
+def test_generate_until_with_min_tokens_cuts_whole_text(engine_lm):
+    """min_tokens past the first `until` string: the engine's text stays whole (vLLM does not look
+    for stop strings in the first min_tokens tokens), so lm-eval's cut at the first stop string
+    gives what a plain request gives, as with lm-eval's vLLM backend."""
+    from lm_eval.api.instance import Instance
+    q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
+    reqs = [Instance("generate_until", {}, (q, {"until": ["\n"], "max_gen_toks": 40, **kw}), 0)
+            for kw in ({}, {"min_tokens": 12})]
+    plain, late = engine_lm.generate_until(reqs, disable_tqdm=True)
+    assert late == plain == " 3 + 4 = 7"
+
+
 def test_rolling_windows_and_empty_context_match_reference():
     """Several rolling windows per text (a short max_length), and loglikelihood with an empty
     context (scored after BOS): both through lm-eval's request path on each backend."""

@@ -87,6 +87,22 @@ def test_streaming_equals_llm_generate(client, llm):
             assert text == ref(llm, prompt, params).outputs[0].text
 
 
+def test_min_tokens_keeps_an_early_stop_string(client, llm):
+    """As vLLM: stop strings are not looked for in the first min_tokens tokens' text, which stays
+    whole (streamed or not); the first stop string after it ends the output."""
+    prompt, m = "1 + 1 =", 10
+    whole = ref(llm, prompt, SamplingParams(temperature=0, max_tokens=32, min_tokens=m)).outputs[0]
+    early = len(llm.get_tokenizer().decode(whole.token_ids[:m]))
+    # a character of the early text that comes again later (the random model: "O")
+    stop = next(ch for ch in whole.text[:early] if ch.isascii() and ch.isprintable() and ch in whole.text[early:])
+    want = whole.text[:whole.text.index(stop, early)]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=32, temperature=0, stop=[stop], extra_body={"min_tokens": m})
+    r = client.completions.create(**kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
 def test_chat(client, llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     tok = llm.get_tokenizer()

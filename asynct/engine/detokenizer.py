@@ -46,7 +46,9 @@ class Detokenizer:
 
     def step(self, seq: Sequence) -> bool:
         """Extends seq.text by the newest token (holding back incomplete UTF-8); True when a
-        stop string appeared, after cutting the text there."""
+        stop string appeared, after cutting the text there. As vLLM, the text of the first
+        min_tokens tokens is not searched: generation goes on after it, so a cut there would
+        lose text from the middle of the output."""
         ids, skip = seq.token_ids, seq.params.skip_special_tokens
         prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], skip)
         full = self.decode(ids[seq.detok_prefix_offset:], skip)
@@ -55,6 +57,8 @@ class Detokenizer:
         start = len(seq.text)
         seq.text += full[len(prefix):]
         seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+        if seq.num_output_tokens <= seq.params.min_tokens:
+            return False
         return self._cut_at_stop(seq, start)
 
     @staticmethod

@@ -302,7 +302,7 @@ class LLMEngine:
                 seq.stop_reason = token
                 return "stop"
         if self.detokenizer and self.requests[seq.request_id].incremental:
-            if self.detokenizer.step(seq) and seq.num_output_tokens >= p.min_tokens:
+            if self.detokenizer.step(seq):
                 return "stop"
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return "length"
