@@ -210,6 +210,14 @@ def test_generation_stops_at_max_model_len(tiny_ckpt):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
+def test_max_model_len_beyond_the_rope_tables_is_a_clear_error(tiny_ckpt):
+    """The tiny model's RoPE tables hold 2048 positions: a longer max_model_len let a long prompt
+    index past them; now the engine refuses to start, naming both numbers (as vLLM does)."""
+    with pytest.raises(ValueError, match="max_model_len=2049 exceeds the model's max_position_embeddings=2048"):
+        LLM(tiny_ckpt, max_model_len=2049)
+    assert LLM(tiny_ckpt, max_model_len=2048).llm_engine.max_model_len == 2048
+
+
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
                                  dict(min_p=2), dict(n=0), dict(logprobs=-1), dict(stop=[""]),
                                  dict(min_tokens=5, max_tokens=2), dict(seed="x"),

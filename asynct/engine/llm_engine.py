@@ -25,6 +25,16 @@ def startup_text(seconds: dict) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in seconds.items())
 
 
+def resolve_max_model_len(requested: int | None, config) -> int:
+    """The checkpoint's max_position_embeddings unless a shorter one is asked for: its RoPE
+    tables hold no later position (a longer sequence would index past them)."""
+    limit = config.max_position_embeddings
+    if requested is not None and requested > limit:
+        raise ValueError(f"max_model_len={requested} exceeds the model's max_position_embeddings={limit} "
+                         f"(its RoPE tables hold {limit} positions); use max_model_len <= {limit}")
+    return requested or limit
+
+
 @dataclass
 class StepRecord:
     kind: str            # "graph", "piecewise mixed", "piecewise prefill", "decode", "mixed", "prefill"
@@ -63,7 +73,7 @@ class LLMEngine:
         self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)
-        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(args.max_model_len, self.config)
         # plain copies: a transformers config's attribute reads are slow on a per-token path
         self.vocab_size, self.eos_token_id = self.config.vocab_size, self.config.eos_token_id
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens in one engine step")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: the checkpoint's max_position_embeddings)")
+                   help="longest prompt + output (default and most: the checkpoint's max_position_embeddings)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights, activations and the KV cache")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
