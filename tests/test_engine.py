@@ -192,6 +192,28 @@ def test_stop_strings_wait_for_min_tokens(gsm):
     assert (short.finish_reason, short.stop_reason) == ("length", None)
 
 
+def test_stop_token_text_is_left_out(gsm):
+    """As vLLM: the stop token that ends an output (one of stop_token_ids, or EOS) stays in
+    token_ids but its text is left out, unless include_stop_str_in_output; so a newline stop
+    token gives the text that the newline as a stop string gives."""
+    nl = gsm.get_tokenizer().encode("\n", add_special_tokens=False)[0]
+
+    def gen(llm=gsm, **kw):
+        return llm.generate(QUESTION, SamplingParams(temperature=0, max_tokens=40, **kw), use_tqdm=False)[0].outputs[0]
+    want = gen(stop=["\n"]).text
+    for kw in (dict(), dict(stop=["never"])):      # text decoded at the finish; incremental text
+        by_token = gen(stop_token_ids=[nl], **kw)
+        assert by_token.text == want and by_token.token_ids[-1] == nl and by_token.stop_reason == nl
+        assert gen(stop_token_ids=[nl], include_stop_str_in_output=True, **kw).text == want + "\n"
+    eos_is_nl = LLM(TINY_GSM)
+    eos_is_nl.llm_engine.eos_token_id = eos_is_nl.llm_engine.runner.eos_token_id = nl
+    for kw in (dict(), dict(stop=["never"])):
+        by_eos = gen(eos_is_nl, **kw)
+        assert by_eos.text == want and by_eos.token_ids[-1] == nl
+        assert (by_eos.finish_reason, by_eos.stop_reason) == ("stop", None)
+        assert gen(eos_is_nl, include_stop_str_in_output=True, **kw).text == want + "\n"
+
+
 def test_bad_requests_fail_alone(tiny_ckpt):
     llm = LLM(tiny_ckpt, max_model_len=64)
     outs = llm.generate([{"prompt_token_ids": [1] * 100}, {"prompt_token_ids": [1, 2, 3]},

@@ -103,6 +103,22 @@ def test_min_tokens_keeps_an_early_stop_string(client, llm):
     assert "".join(c.choices[0].text for c in chunks) == want
 
 
+def test_stop_token_text_is_left_out(client, llm):
+    """As vLLM: the stop_token_ids token that ends a completion is in its tokens, not its text,
+    streamed or not (the stream's last chunk once decoded every token again)."""
+    prompt = "1 + 1 ="
+    base = ref(llm, prompt, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)).outputs[0]
+    tok = next(t for t in base.token_ids[3:] if 32 < t < 127)       # a printable byte
+    ids = base.token_ids[:base.token_ids.index(tok) + 1]
+    want = llm.get_tokenizer().decode(ids[:-1])
+    kw = dict(model="tiny", prompt=prompt, max_tokens=32, temperature=0,
+              extra_body={"stop_token_ids": [tok], "ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(**kw).choices[0]
+    assert (r.text, r.token_ids, r.finish_reason, r.stop_reason) == (want, ids, "stop", tok)
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == want and sum((c.token_ids for c in chunks), []) == ids
+
+
 def test_chat(client, llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     tok = llm.get_tokenizer()

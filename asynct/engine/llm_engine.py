@@ -301,7 +301,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             if self.detokenizer and not isinstance(seq.stop_reason, str):
                 # incremental text holds back an unfinished character; the whole text has it
-                seq.text = self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens)
+                seq.text = self._final_text(seq)
 
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params
@@ -337,5 +337,13 @@ class LLMEngine:
             return ""
         if req.incremental:
             return seq.text
-        return self.detokenizer.decode(seq.output_token_ids, seq.params.skip_special_tokens) \
-            if seq.is_finished else ""
+        return self._final_text(seq) if seq.is_finished else ""
+
+    def _final_text(self, seq: Sequence) -> str:
+        """The whole output decoded, where no stop string cut it. As vLLM, the stop token that
+        ended it (EOS or one of stop_token_ids) is left out unless include_stop_str_in_output:
+        it stays in token_ids only."""
+        ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
+            ids = ids[:-1]
+        return self.detokenizer.decode(ids, seq.params.skip_special_tokens)

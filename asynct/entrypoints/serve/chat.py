@@ -101,7 +101,7 @@ class Chat:
 
     def _chunk(self, c, streams, generated) -> str | None:
         if c.index not in streams:     # OpenAI opens every choice with the role alone
-            streams[c.index] = TextStream(self.ctx, self.params)
+            streams[c.index] = TextStream(self.params)
             first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
             head = sse(self._head("chat.completion.chunk", [first]))

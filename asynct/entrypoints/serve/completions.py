@@ -96,7 +96,7 @@ class Completion:
         if not c.token_ids and not c.finished:
             return None        # still prefilling (the echoed prompt waits for its logprobs)
         first = (i, c.index) not in streams
-        ts = streams.setdefault((i, c.index), TextStream(self.ctx, self.params))
+        ts = streams.setdefault((i, c.index), TextStream(self.params))
         sent = ts.text
         d = ts.delta(c)
         if d is None:

@@ -199,22 +199,17 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class TextStream:
     """Per choice: what was already sent, so each chunk carries only the new text and tokens.
     While running, the last len(longest stop) - 1 characters wait: they may turn out to start a
-    stop string, which must never reach the client. At the end the whole output is decoded once
-    more: incremental decoding holds back the bytes of an unfinished character."""
+    stop string, which must never reach the client. The last output's text is the engine's whole
+    text (it decodes the output once more at the finish, and leaves out a stop token's text)."""
 
-    def __init__(self, ctx: ServingContext, params):
-        self.ctx, self.skip = ctx, params.skip_special_tokens
+    def __init__(self, params):
         self.hold = max((len(s) for s in params.stop_list), default=1) - 1
         self.text, self.num_tokens = "", 0
 
     def delta(self, out) -> tuple[str, int, int] | None:
         """(new text, first new token, end) or None when nothing new is there to send."""
         text = out.text
-        if out.finished and not isinstance(out.stop_reason, str):
-            full = self.ctx.decode(out.token_ids, self.skip)
-            if full.startswith(self.text):
-                text = full
-        elif not out.finished and self.hold:
+        if not out.finished and self.hold:
             text = text[:max(len(self.text), len(text) - self.hold)]
         start, end = self.num_tokens, len(out.token_ids)
         if end == start and not out.finished and len(text) == len(self.text):
