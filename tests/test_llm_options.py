@@ -37,6 +37,21 @@ def test_tensor_parallel_size_other_than_one_is_a_clear_error(tiny_ckpt):
         LLM(tiny_ckpt, seed="0")
 
 
+BAD_SIZES = [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(block_size=0), dict(block_size=-16),
+             dict(max_model_len=0), dict(num_kv_blocks=-1), dict(admission_batch=0), dict(data_parallel_size=0),
+             dict(max_num_seqs=True), dict(max_num_seqs=2.0), dict(gpu_memory_utilization=0),
+             dict(gpu_memory_utilization=1.5), dict(gpu_memory_utilization=float("nan"))]
+
+
+@pytest.mark.parametrize("bad", BAD_SIZES, ids=[str(b) for b in BAD_SIZES])
+def test_sizes_below_one_are_clear_errors(tiny_ckpt, bad):
+    """max_num_seqs=0 or max_num_batched_tokens=0 made an engine that admitted nothing (generate
+    waited forever) and block_size=0 a bare ZeroDivisionError: now each is refused by name."""
+    (name, _), = bad.items()
+    with pytest.raises(ValueError, match=f"^{name} must be "):
+        LLM(tiny_ckpt, **bad)
+
+
 def test_chat_renders_with_the_template_and_generates(llm):
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=8)

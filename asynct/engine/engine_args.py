@@ -51,8 +51,31 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: an asynct engine runs on one "
                              "GPU; for tensor parallelism serve the checkpoint with vLLM and asynct's plugin "
                              "(docs/vllm.md)")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+        if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        self._check_sizes()
+
+    def _check_sizes(self):
+        """Sizes below 1 build an engine that cannot run: max_num_seqs=0 or
+        max_num_batched_tokens=0 admit nothing (generate would wait forever), block_size=0
+        divides by zero."""
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
+            if not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name in ("max_model_len", "num_kv_blocks", "admission_batch"):
+            if getattr(self, name) is not None and not _is_positive_int(getattr(self, name)):
+                raise ValueError(f"{name} must be a positive integer or None, got {getattr(self, name)!r}")
+        u = self.gpu_memory_utilization
+        if not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_positive_int(x) -> bool:
+    return _is_int(x) and x >= 1
 
 
 def resolve_dtype(dtype, config, device) -> torch.dtype:
