@@ -172,6 +172,22 @@ def test_echo_logprobs_equal_prompt_logprobs(url, llm):
     assert texts[0].startswith(prompts[0]) and not any(t.startswith(prompts[0]) for t in texts[1:])
 
 
+def test_streamed_text_offsets_equal_the_response(url):
+    """While a stop string may still be forming, the stream holds its characters back but sends
+    the tokens' logprobs: each chunk's text_offset goes on from the tokens sent before it (not
+    from the text), so streamed offsets equal the response's, with and without echo."""
+    for prompt in ("Hello world", "héllo wörld"):        # (byte tokens: "é" is two of them)
+        for echo in (False, True):
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 1,
+                    "echo": echo, "stop": ["not in this text"]}
+            want = post(url, body).json()["choices"][0]["logprobs"]
+            r = post(url, {**body, "stream": True})
+            blocks = [json.loads(ln[6:])["choices"][0]["logprobs"] for ln in r.text.splitlines()
+                      if ln.startswith("data: {")]
+            assert [o for b in blocks if b for o in b["text_offset"]] == want["text_offset"]
+            assert [t for b in blocks if b for t in b["tokens"]] == want["tokens"]
+
+
 def test_tokenizer_routes(url, llm):
     from lm_eval.utils import check_remote_tokenizer_support
     r = post(url, {"prompt": "héllo"}, "/tokenize").json()

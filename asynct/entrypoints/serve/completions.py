@@ -36,6 +36,7 @@ class Completion:
         self.ctx, self.body, self.params, self.id, self.texts, self.ids = ctx, body, params, rid, texts, ids
         self.drop_generated = body.echo and body.max_tokens == 0
         self.created = int(time.time())
+        self.next_offsets = {}     # a streamed choice's text_offset for its next token
 
     def _head(self, choices) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -54,9 +55,11 @@ class Completion:
                 generated += n
         return {**self._head(choices), "usage": usage(sum(map(len, self.ids)), generated)}
 
-    def _choice(self, i, c, text, start, end, plp, sent_text="") -> dict:
+    def _choice(self, i, c, text, start, end, plp, offset=None) -> dict:
         """One choice with generated tokens [start, end). `plp` (the prompt's logprobs) is given
-        only to the response or first chunk of an echo request: the prompt goes in front."""
+        only to the response or first chunk of an echo request: the prompt goes in front.
+        `offset`: the text_offset of its first row where an earlier chunk ended (a chunk's text
+        lags its tokens while stop strings are held back, so it cannot tell)."""
         echo = self.body.echo and plp is not None
         choice = {"index": i * self.body.n + c.index, "text": (self.texts[i] if echo else "") + text,
                   "logprobs": None, "finish_reason": None}
@@ -64,7 +67,8 @@ class Completion:
             rows = self._prompt_rows(i, plp) if echo else []
             rows += [token_row(c.token_ids[k], c.logprobs[k]) for k in range(start, end)]
             # offsets into prompt + completion, as OpenAI's API counted them
-            offset = 0 if echo else len(self.texts[i]) + len(sent_text)
+            if offset is None:
+                offset = 0 if echo else len(self.texts[i])
             choice["logprobs"] = logprobs_block(rows, offset)
         if self.body.return_token_ids:
             choice["token_ids"] = c.token_ids[start:end]
@@ -95,16 +99,19 @@ class Completion:
     def _chunk(self, i, out, c, streams, generated) -> str | None:
         if not c.token_ids and not c.finished:
             return None        # still prefilling (the echoed prompt waits for its logprobs)
-        first = (i, c.index) not in streams
-        ts = streams.setdefault((i, c.index), TextStream(self.params))
-        sent = ts.text
+        key = (i, c.index)
+        first = key not in streams
+        ts = streams.setdefault(key, TextStream(self.params))
         d = ts.delta(c)
         if d is None:
             return None
         text, start, end = ("", 0, 0) if self.drop_generated else d
-        generated[(i, c.index)] = end
+        generated[key] = end
         plp = (out.prompt_logprobs or [None]) if self.body.echo and first else None
-        choice = self._choice(i, c, text, start, end, plp, sent)
+        choice = self._choice(i, c, text, start, end, plp, self.next_offsets.get(key))
+        lp = choice["logprobs"]
+        if lp and lp["tokens"]:
+            self.next_offsets[key] = lp["text_offset"][-1] + len(lp["tokens"][-1] or "")
         choice["finish_reason"] = c.finish_reason
         if c.finished:
             choice["stop_reason"] = c.stop_reason
