@@ -1,7 +1,9 @@
 """`asynct serve`'s vLLM-shaped flags: --chat-template (file or inline), --seed,
---tensor-parallel-size, --trust-remote-code, --uvicorn-log-level, --disable-log-stats."""
+--tensor-parallel-size, --trust-remote-code, --uvicorn-log-level, --disable-log-stats; chat
+`tools` through the template, and the fields it cannot honour refused by name."""
 import httpx
 
+from asynct import LLM, SamplingParams
 from asynct.entrypoints.cli import build_parser, main
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
@@ -41,3 +43,34 @@ def test_chat_template_file_and_seed(tiny_ckpt, tmp_path):
         body = {"messages": msgs, "max_tokens": 4, "temperature": 0}
         assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
 
+
+
+TOOLS_TEMPLATE = TEMPLATE + "{% for t in tools or [] %}<tool>{{ t.function.name }}{% endfor %}"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
+    """`tools` is rendered by the chat template as LLM.chat renders it (the server dropped it);
+    response_format other than text and repetition_penalty other than 1 are refused with a 400
+    that names the field (they were ignored: no guided decoding, no penalties in the sampler)."""
+    msgs = [{"role": "user", "content": "hi"}]
+    want = LLM(tiny_ckpt).chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=TOOLS_TEMPLATE,
+                               tools=TOOLS)[0].prompt_token_ids
+    assert bytes(want).decode() == "<user>hi<assistant><tool>get_weather"
+    app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=TOOLS_TEMPLATE, log_stats_interval=None)
+    body = {"messages": msgs, "max_tokens": 1, "temperature": 0}
+    with ServerThread(app) as url:
+        def chat(**extra):
+            return httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert chat().json()["usage"]["prompt_tokens"] == len("<user>hi<assistant>")
+        assert chat(tools=TOOLS).json()["usage"]["prompt_tokens"] == len(want)
+        assert chat(response_format={"type": "text"}, repetition_penalty=1.0).status_code == 200
+        for field, value in [("response_format", {"type": "json_object"}),
+                             ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+                             ("repetition_penalty", 1.3)]:
+            for path, extra in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": "hi"})):
+                r = httpx.post(url + path, json={**extra, field: value}, timeout=60)
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == field and field in err["message"], r.text
+                assert err["type"] == "invalid_request_error"
+        assert chat(tools=[{"type": "function"}]).status_code == 400        # a tool needs its function

@@ -13,7 +13,7 @@ from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext
                                               error_body, finite, request_id, sse, usage)
 
 
-def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None) -> list[int]:
+def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None, tools=None) -> list[int]:
     ctx.need_tokenizer("chat")
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template, so /v1/chat/completions "
@@ -21,8 +21,11 @@ def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwarg
     check_template_kwargs(ctx, kwargs or {})
     try:
         msgs = [m.for_template() for m in messages]
+        # as vLLM: chat_template_kwargs may set the template's `tools` too, and win
+        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None,
+                  **(kwargs or {})}
         text = ctx.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 **(kwargs or {}))
+                                                 **kwargs)
     except ApiError:
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
@@ -49,8 +52,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     try:
         params = body.to_params()
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
-    ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
+    ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                             body.tools)
     ctx.check_prompt(ids, params)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)

@@ -19,7 +19,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         params = body.to_params()
         prompts = body.prompts()
     except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(lambda: [ctx.encode(p) for p in prompts])
     for p in ids:
         ctx.check_prompt(p, params)

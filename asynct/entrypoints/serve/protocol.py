@@ -52,7 +52,9 @@ class SamplingFields(Body):
     include_stop_str_in_output: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
     return_token_ids: bool = False        # extension: token ids in each choice (benchmarks)
     user: str | None = None
 
@@ -61,9 +63,14 @@ class SamplingFields(Body):
         """Raises ValueError (a 400) for values the engine rejects or cannot honour."""
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
-                raise ValueError(f"{name} is not supported")
+                raise Unsupported(name, f"{name} is not supported")
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise Unsupported("logit_bias", "logit_bias is not supported")
+        if self.repetition_penalty not in (None, 1.0):
+            raise Unsupported("repetition_penalty", "repetition_penalty is not supported (only 1.0)")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise Unsupported("response_format", f"response_format {self.response_format.get('type')!r} is not "
+                                                 'supported (no guided decoding; only {"type": "text"})')
         for name, k in (("logprobs", logprobs), ("prompt logprobs", prompt_logprobs)):
             if k is not None and k > MAX_LOGPROBS:
                 raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
@@ -97,9 +104,9 @@ class CompletionRequest(SamplingFields):
 
     def to_params(self) -> SamplingParams:
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise Unsupported("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):
-            raise ValueError("best_of other than n is not supported")
+            raise Unsupported("best_of", "best_of other than n is not supported")
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens must be >= 1 (0 only with echo)")
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
@@ -128,6 +135,19 @@ class ChatMessage(BaseModel):
         return d
 
 
+class FunctionDefinition(BaseModel):
+    model_config = {**STRICT, "extra": "allow"}     # strict, ...: passed to the template
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
@@ -136,6 +156,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None
+    tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
     tool_choice: Literal["none", "auto"] | None = None
 
     def to_params(self) -> SamplingParams:
@@ -156,6 +177,14 @@ class TokenizeRequest(Body):
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: TokenIds
+
+
+class Unsupported(ValueError):
+    """A known field with a value asynct cannot honour: a 400 that names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 def first_invalid_unicode(data) -> str | None:
