@@ -93,6 +93,24 @@ def test_generate_until_with_min_tokens_cuts_whole_text(engine_lm):
     assert late == plain == " 3 + 4 = 7"
 
 
+def test_generate_until_refuses_a_generation_that_leaves_no_context():
+    """max_gen_toks >= max_length left no room for a context (the slice kept the whole prompt, or
+    cut its head) and the engine then failed the whole run with a prompt-length error; now a
+    ValueError names both numbers before any request runs, as lm-eval's hf backend refuses it."""
+    from lm_eval.api.instance import Instance
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64)     # max_length 62
+    q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
+
+    def req(max_gen):
+        return Instance("generate_until", {}, (q, {"until": ["\n\n"], "max_gen_toks": max_gen}), 0)
+    for max_gen in (62, 70):
+        with pytest.raises(ValueError, match=f"max_gen_toks={max_gen} .* below max_length=62"):
+            lm.generate_until([req(61), req(max_gen)], disable_tqdm=True)
+    assert lm.prompt_tokens["total"] == 0                  # not even the good request ran
+    assert lm.generate_until([req(61)], disable_tqdm=True)[0]     # the context's last token: still fine
+    assert lm.prompt_tokens["total"] == 1
+
+
 def test_rolling_windows_and_empty_context_match_reference():
     """Several rolling windows per text (a short max_length), and loglikelihood with an empty
     context (scored after BOS): both through lm-eval's request path on each backend."""

@@ -98,9 +98,7 @@ class AsyncTLM(TemplateLM):
         prompts, params, untils = [], [], []
         for context, gen_kwargs in (r.args for r in requests):
             sp, until, max_gen = self._sampling_params(gen_kwargs, eos)
-            ids = self.tok_encode(context)
-            # as lm-eval's backends: keep the prompt's tail when prompt + generation overflows
-            ids = ids[-(self.max_length - max_gen):] if len(ids) + max_gen > self.max_length else ids
+            ids = self._fit_context(self.tok_encode(context), max_gen)
             prompts.append({"prompt_token_ids": ids})
             params.append(sp)
             untils.append(until)
@@ -111,6 +109,17 @@ class AsyncTLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", r.args, text)
             res.append(text)
         return res
+
+    def _fit_context(self, ids: list[int], max_gen: int) -> list[int]:
+        """As lm-eval's backends: the prompt's tail where prompt + generation overflows
+        max_length. A generation of max_length tokens or more leaves no room for any context
+        (the tail would be the whole prompt, or lose its head): refused before anything runs,
+        as lm-eval's hf backend refuses it."""
+        if max_gen >= self.max_length:
+            raise ValueError(f"max_gen_toks={max_gen} leaves no room for a context: it must be below "
+                             f"max_length={self.max_length} (lower max_gen_toks, or raise max_length or "
+                             "max_model_len)")
+        return ids[-(self.max_length - max_gen):] if len(ids) + max_gen > self.max_length else ids
 
     def _sampling_params(self, gen_kwargs: dict, eos: str):
         kw = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks=self.max_gen_toks)
