@@ -57,18 +57,23 @@ def test_assign_balances_work_and_keeps_prefixes_together():
     # work already in flight counts
     assert assign([5], ["q"], [100, 0]) == [1]
     # a key's home engine (its blocks cached there) wins while the load stays within the share
-    assert assign([5, 5], ["q", "r"], [0, 0], {"q": 1, "r": 1}) == [1, 0]
-    assert assign([5], ["q"], [0, 0], {"q": 1}) == [1]           # alone: one piece of imbalance
-    assert assign([5], ["q"], [100, 0], {"q": 0}) == [1]
+    assert assign([5, 5], ["q", "r"], [0, 0], {"q": [1], "r": [1]}) == [1, 0]
+    assert assign([5], ["q"], [0, 0], {"q": [1]}) == [1]         # alone: one piece of imbalance
+    assert assign([5], ["q"], [100, 0], {"q": [0]}) == [1]
+    # the deepest prefix's engine too busy: the next home (a shallower prefix's) before the least-loaded
+    assert assign([5], ["q"], [100, 20, 0], {"q": [0, 1]}) == [1]
+    assert assign([5], ["q"], [100, 90, 0], {"q": [0, 1]}) == [2]
 
 
 def test_prefix_keys_name_the_cacheable_blocks_and_homes_find_the_deepest():
-    """A key per full block before the last token, each naming all blocks up to it; the homes
-    give the deepest key a live engine holds, the least loaded of its holders."""
+    """A key per full block (the last one too: the engine caches it once the prompt has run),
+    each naming all blocks up to it; the homes give the deepest key a live engine holds, the
+    least loaded of its holders, and every holder deepest first."""
     shared, q1, q2 = [1] * 32, [2] * 16, [3] * 16
     a, b = prefix_keys(shared + q1 + [7], 16), prefix_keys(shared + q2 + [8, 9], 16)
     assert len(a) == len(b) == 3 and a[:2] == b[:2] and a[2] != b[2]
-    assert prefix_keys([1] * 16, 16) == [] and len(prefix_keys([1] * 17, 16)) == 1
+    assert prefix_keys([1] * 15, 16) == [] and prefix_keys([1] * 16, 16) == prefix_keys([1] * 17, 16)
+    assert prefix_keys(shared + q1, 16) == a        # a block-aligned prompt names its last block
     assert prefix_keys(q1 + shared + [7], 16)[1] != a[1]      # same block, other blocks before it
     homes = PrefixHomes()
     homes.remember(a, 0)
@@ -78,6 +83,8 @@ def test_prefix_keys_name_the_cacheable_blocks_and_homes_find_the_deepest():
     assert homes.deepest(b, [0, 5], [0, 1]) == (b[2], 1)
     assert homes.deepest(b, [0, 5], [0]) == (b[1], 0)         # 1 dead: the shared blocks, on 0
     assert homes.deepest(prefix_keys([4] * 40, 16), [0, 0], [0, 1]) == (None, None)
+    assert homes.holders(a, [0, 0], [0, 1]) == [0] and homes.holders(b, [0, 5], [0, 1]) == [1, 0]
+    assert homes.holders(b, [0, 5], [0]) == [0]
     small = PrefixHomes(limit=3)
     small.remember(a, 0)
     small.remember(b, 1)       # b's first two keys are a's, refreshed: a's own third is the oldest

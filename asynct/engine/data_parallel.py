@@ -139,14 +139,15 @@ class DataParallelEngine:
             self.clients[r.engine].add((rid, r.out.prompt_token_ids, r.params, False))
 
     def _groups(self, keys: list[list[int]], live: list[int]):
-        """Each request's group for `assign` and the groups' homes (indices into `live`): its
-        deepest prefix a live engine holds (a question's other choices: their question), else
-        its first block (a few-shot prefix nobody holds yet), else a group of its own."""
+        """Each request's group for `assign` and the groups' homes (indices into `live`, the
+        engines holding its deepest prefix first): its deepest prefix a live engine holds (a
+        question's other choices: their question), else its first block (a few-shot prefix
+        nobody holds yet), else a group of its own."""
         groups, homes = [], {}
         for i, ks in enumerate(keys):
             key, k = self.homes.deepest(ks, self.load, live)
             if k is not None:
-                homes[key] = live.index(k)
+                homes[key] = [live.index(h) for h in self.homes.holders(ks, self.load, live)]
             elif ks:
                 key = ks[0]
             else:
@@ -202,12 +203,13 @@ class DataParallelEngine:
 
 
 def prefix_keys(ids: list[int], block_size: int) -> list[int]:
-    """One key per full KV block before the prompt's last token (what the prefix cache keeps of
-    it; a request with prompt logprobs is served fewer), the j-th naming the prompt's first j
-    blocks: the block manager's own chain hashes, so prompts share a key exactly where they
-    share their blocks."""
+    """One key per full KV block of the prompt (what the engine's prefix cache holds once the
+    prompt has run, its last block too when the prompt fills it), the j-th naming the prompt's
+    first j blocks: the block manager's own chain hashes, so prompts share a key exactly where
+    they share their blocks. A lookup may match a block that the prompt's own last token keeps
+    from being served; the engine holding it holds all the blocks before it."""
     keys, h = [], -1
-    for j in range((len(ids) - 1) // block_size):
+    for j in range(len(ids) // block_size):
         h = chain_hash(h, ids[j * block_size:(j + 1) * block_size])
         keys.append(h)
     return keys
@@ -244,6 +246,12 @@ class PrefixHomes:
                 return key, k
         return None, None
 
+    def holders(self, keys: list[int], loads, live) -> list[int]:
+        """The least-loaded live holder of each of a prompt's keys, deepest key first, each
+        engine once: where its blocks are cached, the most first."""
+        found = (self.best(key, loads, live) for key in reversed(keys))
+        return list(dict.fromkeys(k for k in found if k is not None))
+
 
 def pick_engine(keys: list[int], in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
     """The engine for one request arriving alone (the server's): of the live engines holding a
@@ -264,8 +272,9 @@ def assign(works: list[int], keys: list, loads: list[int], homes: dict | None = 
     """An engine (index into `loads`, their work in flight) per request: the requests of one key
     go to one engine, unless together they are more than an engine's share of all the work (one
     shared few-shot prefix, say), then in shares of about that size; the largest piece first, each
-    to its key's home engine (`homes`: where earlier requests of the key went) while that stays
-    within the share (or the home is as little loaded as any), else to the least-loaded."""
+    to the first of its key's home engines (`homes`: the engines holding the key's deepest
+    cached prefix, then those holding shallower ones) that stays within the share (or is as
+    little loaded as any), else to the least-loaded."""
     share = (sum(loads) + sum(works)) / len(loads)
     groups: dict = {}
     for i, key in enumerate(keys):
@@ -282,9 +291,9 @@ def assign(works: list[int], keys: list, loads: list[int], homes: dict | None = 
         pieces.append((work, piece))
     loads, chosen, homes = list(loads), [0] * len(works), homes or {}
     for work, piece in sorted(pieces, key=lambda p: -p[0]):
-        k, least = homes.get(keys[piece[0]]), min(range(len(loads)), key=lambda j: loads[j])
-        if k is None or (loads[k] + work > share and loads[k] > loads[least]):
-            k = least
+        least = min(range(len(loads)), key=lambda j: loads[j])
+        fits = (k for k in homes.get(keys[piece[0]], ()) if loads[k] + work <= share or loads[k] <= loads[least])
+        k = next(fits, least)
         loads[k] += work
         for i in piece:
             chosen[i] = k
