@@ -7,8 +7,9 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
 1. Each layer op at 1, 2, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the L2
    prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
    enough distinct weight copies that every replay reads HBM (as 35 layers do), with the
-   bandwidth its weights achieve. --sweep adds tile configs at 1 and 32 rows (BLOCK_K, stages,
-   warps, weight rows per program).
+   bandwidth its weights achieve. --sweep adds the dot tiles' configs at 1 and 32 rows (BLOCK_K,
+   stages, warps, weight rows per program) and the CUDA-core path's at 1 and 2 rows (weight
+   rows per program, K tile, warps).
 2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48, context 384,
    for an engine with the fused linears, one with them but without programmatic dependent
    launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
@@ -30,6 +31,7 @@ from asynct import LLM
 from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
 from asynct.ops import _triton, fused_linear as fl
+from asynct.ops._triton import triton
 from asynct.ops.rope import rope_cos_sin_cache
 
 C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
@@ -106,8 +108,21 @@ def tiles(half_tile=None, **changes):
         fl._tiles, fl.HALF_TILE = orig, orig_half
 
 
-# (BLOCK_K, stages, warps, rows per tile / 2) at 1 and 32 rows; at one row the engine takes the first (QKV), the
-# second (o_proj, down) and the third (gate/up)
+@contextlib.contextmanager
+def gemv(op, rows, block_k, warps):
+    """The CUDA-core path of `op` (a fused_linear.GEMV key) with this config up to its row limit."""
+    orig = fl.GEMV
+    fl.GEMV = {**orig, op: (fl.GEMV_MAX_ROWS, rows, block_k, warps)}
+    try:
+        yield
+    finally:
+        fl.GEMV = orig
+
+
+# (weight rows a program, K tile, warps) of the CUDA-core path, swept at 1 and 2 rows
+GEMV_SWEEP = [(r, bk, w) for r in (2, 4, 8, 16) for bk in (512, 1024, 4096) for w in (4, 8) if r * bk <= 16384]
+GEMV_OPS = {"qkv+norm+rope": "qkv", "o+dyht_add": "dyht_add", "gate_up+reglu": "reglu", "down+dyht_add": "dyht_add"}
+# (BLOCK_K, stages, warps, rows per tile / 2) of the dot tiles at 1 and 32 rows
 SWEEP = [(256, 4, 4, 8), (512, 3, 4, 8), (256, 4, 2, 8), (512, 3, 2, 8), (1024, 2, 4, 8),
          (256, 6, 4, 8), (512, 4, 4, 8), (512, 3, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16),
          (256, 3, 4, 8), (128, 4, 4, 8), (256, 3, 4, 16), (128, 4, 2, 8)]
@@ -153,15 +168,19 @@ def ops_table(copy_bw, sweep):
             print(f"{name} | {m} | {t_u * 1e6:.1f} | {t_n * 1e6:.1f} | {t_p * 1e6:.1f} | {t_g * 1e6:.1f} | "
                   f"{t_f * 1e6:.2f} | {bw:.2f} | {bw / copy_bw:.2f} | {t_u / t_f:.2f} | {t_n / t_f:.2f} | "
                   f"{t_p / t_f:.2f} | {t_g / t_f:.2f}", flush=True)
-            for bk, st, w, hb in (configs if m in (1, fl.SMALL_M) else []):
-                name = f"bk{bk} st{st} w{w} rows{2 * hb}"
-                with tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w):
+            sweeps = [(f"dot bk{bk} st{st} w{w} rows{2 * hb}", tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w))
+                      for bk, st, w, hb in (configs if m in (1, fl.SMALL_M) else [])]
+            sweeps += [(f"gemv rows{r} bk{bk} w{w}", gemv(GEMV_OPS[name], r, bk, w))
+                       for r, bk, w in (GEMV_SWEEP if sweep and m <= fl.GEMV_MAX_ROWS else [])
+                       if bk <= triton.next_power_of_2(shape[1])]
+            for label, mode in sweeps:
+                with no_gemv() if label.startswith("dot") else contextlib.nullcontext(), mode:
                     try:
                         t_c, bw_c = time_op(fn, shape, m)
                     except Exception as e:      # a config that does not fit is a result too
-                        print(f"  {name}: {type(e).__name__}")
+                        print(f"  {label}: {type(e).__name__}")
                         continue
-                print(f"  {name} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
+                print(f"  {label} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
 
 
 def engine_steps(model, mode, batches, context):

@@ -255,10 +255,16 @@ def test_launch_plan_row_tiles_and_shared_memory():
         assert smem <= 128 << 10
 
 
-def test_launch_plan_gemv_rows():
+def test_launch_plan_gemv_rows(monkeypatch):
     """The CUDA-core path where it won: one row for every op, two for o_proj/down only, dot tiles
-    of 16 weight rows past that; its K tile never wider than K needs."""
-    from asynct.ops.fused_linear import GEMV, TILE_N, _plan
+    of 16 weight rows past that; its K tile never wider than K needs; never more rows than the
+    kernel has accumulators for, whatever the table says."""
+    from asynct.ops import fused_linear
+    from asynct.ops.fused_linear import GEMV, GEMV_MAX_ROWS, TILE_N, _plan
+    monkeypatch.setitem(fused_linear.GEMV, "probe", (GEMV_MAX_ROWS + 2, 2, 512, 4))
+    assert _plan(torch.zeros(GEMV_MAX_ROWS + 1, 96), 96, "probe")[1] is None
+    assert _plan(torch.zeros(GEMV_MAX_ROWS, 96), 96, "probe")[1]["BLOCK_M"] == GEMV_MAX_ROWS
+    monkeypatch.delitem(fused_linear.GEMV, "probe")
     for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"dyht_add"}), (3, set())]:
         x = torch.zeros(rows, 96, dtype=torch.bfloat16)
         for op in GEMV:

@@ -27,6 +27,7 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # of 50 configs; benchmarks/RESULTS.md): (most activation rows, weight rows a program, K tile,
 # warps). QKV and gate/up lose or tie at two rows (gate/up 0.95x as ops).
 GEMV = {"qkv": (1, 8, 512, 4), "reglu": (1, 4, 1024, 4), "dyht_add": (2, 2, 1024, 4)}
+GEMV_MAX_ROWS = 2   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
@@ -116,7 +117,7 @@ def _plan(x, k, op):
     CUDA-core path for as few rows as it wins at, else 16-row dot tiles (_tiles, which needs
     the program count: the caller's)."""
     most, rows, block_k, warps = GEMV[op]
-    if x.shape[0] > most:
+    if x.shape[0] > min(most, GEMV_MAX_ROWS):
         return TILE_N, None
     block_k = min(block_k, triton.next_power_of_2(k))
     return rows, dict(BLOCK_M=x.shape[0], BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="ieee",
