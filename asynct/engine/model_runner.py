@@ -114,7 +114,7 @@ class ModelRunner:
         the QKV one storing k/v, prefill), one just past them (the unfused elementwise kernels, the KV write), the QKV
         kernel without its store at both row tiles (what a piecewise graph's small pieces run),
         then the attention variants none can reach."""
-        for n in sorted({1, 2, ops.SMALL_M, WARMUP_TOKENS}):
+        for n in sorted({*range(1, ops.GEMV_MAX_ROWS + 1), ops.SMALL_M, WARMUP_TOKENS}):
             n = min(n, self.num_kv_blocks * self.block_size)
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
