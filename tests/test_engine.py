@@ -214,6 +214,26 @@ def test_stop_token_text_is_left_out(gsm):
         assert gen(eos_is_nl, include_stop_str_in_output=True, **kw).text == want + "\n"
 
 
+def test_a_failed_lazy_capture_leaves_decoding_eager(tiny_ckpt, monkeypatch, caplog):
+    """lazy_decode_graphs mid-run: a capture that fails (out of memory, say) is tried once,
+    logged, and every request still finishes, eagerly (a CPU stand-in for the CUDA capture)."""
+    from asynct.engine import model_runner
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise RuntimeError("out of memory (a stand-in)")
+    monkeypatch.setattr(model_runner, "CudaGraphRunner", failing)
+    llm = LLM(tiny_ckpt, num_kv_blocks=64, lazy_decode_graphs=True)
+    runner = llm.llm_engine.runner
+    runner.decode_graphs_pending = True      # what allocate_kv_cache leaves on CUDA
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        outs = llm.generate([[1, 2, 3 + i] for i in range(4)], params, use_tqdm=False)
+        assert all(o.error is None and len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert calls == [1] and runner.graphs is None and "decode steps run eagerly" in caplog.text
+
+
 def test_bad_requests_fail_alone(tiny_ckpt):
     llm = LLM(tiny_ckpt, max_model_len=64)
     outs = llm.generate([{"prompt_token_ids": [1] * 100}, {"prompt_token_ids": [1, 2, 3]},

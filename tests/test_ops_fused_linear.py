@@ -315,3 +315,53 @@ def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, refer
         for pos in range(1, len(full)):
             entry = o.prompt_logprobs[pos] if pos < len(p) else o.outputs[0].logprobs[pos - len(p)]
             assert abs(entry[full[pos]].logprob - ref[pos - 1, full[pos]].item()) < 1e-4
+
+
+def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
+    """Each kind of launch (kernel, constexprs, warps) that a step of 1 to SMALL_M tokens makes,
+    with the KV store and without, is one the engine's warm-up makes (bench-0.6b's layer on an
+    H200's 132 SMs, kernels replaced by recorders): nothing compiles in the middle of serving.
+    Two-token steps took the CUDA-core path for o_proj/down only, and three-token steps dot tiles
+    no warm-up count reached, until the warm-up counted the first count past the GEMV rows."""
+    from asynct.engine.model_runner import warmup_token_counts
+    from asynct.ops import fused_linear as fl
+    seen = set()
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.add((self.name, tuple(sorted(kw.items()))))
+    for name in ("qkv_rope_kernel", "gate_up_reglu_kernel", "linear_dyht_add_kernel"):
+        monkeypatch.setattr(fl, name, Recorder(name))
+    monkeypatch.setattr(fl, "sm_count", lambda x: 132)
+    monkeypatch.setattr(fl, "pdl_args", lambda x, wanted=True: dict(PDL=True, launch_pdl=True))
+    bf, hq, hkv, d, c, inter = torch.bfloat16, 8, 4, 128, 1024, 3072
+    w_qkv, w_o = torch.zeros((hq + 2 * hkv) * d, c, dtype=bf), torch.zeros(c, hq * d, dtype=bf)
+    w_gu, w_down = torch.zeros(2 * inter, c, dtype=bf), torch.zeros(c, inter, dtype=bf)
+    one, rope = torch.ones(1), rope_cos_sin_cache(d, 64)
+    cache = torch.zeros(2, 4, 16, hkv, d, dtype=bf)
+
+    def layer(t, store=True):
+        target = dict(kv_cache=cache, slot_mapping=torch.zeros(t, dtype=torch.long)) if store else {}
+        x = torch.zeros(t, c, dtype=bf)
+        linear_qk_norm_rope_triton(x, w_qkv, torch.zeros(t, dtype=torch.long), hq, hkv, one, one, one, one,
+                                   rope, **target)
+        if store:
+            res = torch.zeros(t, c, dtype=bf)
+            linear_dyht_add_triton(torch.zeros(t, hq * d, dtype=bf), w_o, res, one, one, one, one)
+            linear_reglu_triton(x, w_gu)
+            linear_dyht_add_triton(torch.zeros(t, inter, dtype=bf), w_down, res, one, one)
+    forwards, no_store = warmup_token_counts()
+    for t in forwards:
+        if t <= SMALL_M:
+            layer(t)
+    for t in no_store:
+        layer(t, store=False)
+    warm = set(seen)
+    for t in range(1, SMALL_M + 1):
+        seen.clear()
+        layer(t)
+        layer(t, store=False)
+        assert seen <= warm, (t, sorted(seen - warm))

@@ -22,8 +22,10 @@ def capture_graph(owner, fn) -> torch.cuda.CUDAGraph:
     owner.stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(owner.stream):
         graph.capture_begin(*(() if owner.pool is None else (owner.pool,)))
-        fn()
-        graph.capture_end()
+        try:
+            fn()
+        finally:        # a failed fn must not leave the stream capturing
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(owner.stream)
     owner.pool = graph.pool()
     return graph

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asynct.engine.sampling_params import _is_int
+
 
 CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
 
@@ -25,7 +27,7 @@ class EngineArgs:
     # steps with prefill tokens; "full_decode_only" leaves those eager
     cudagraph_mode: str = "full_and_piecewise"
     # decode graphs captured at the first decode-only step, not at start-up: a run that never
-    # decodes (lm-eval's loglikelihood tasks) never pays for them (~1 s on bench-0.6b)
+    # decodes (lm-eval's loglikelihood tasks) never pays for them (0.9-2.0 s of bench-0.6b's start)
     lazy_decode_graphs: bool = False
     kv_cache_memory: int = 1 << 30        # bytes of KV cache off the GPU
     num_kv_blocks: int | None = None      # overrides both sizings (tests)
@@ -68,10 +70,6 @@ class EngineArgs:
         u = self.gpu_memory_utilization
         if not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_positive_int(x) -> bool:

@@ -4,6 +4,7 @@ without waiting for the device, and finishes the step (results to the host) when
 With async scheduling the engine launches step N+1 before it finishes step N: tokens sampled in
 step N stay on the device and become step N+1's inputs there; only their copies to the host
 (pinned, non-blocking) are waited for, one step later."""
+import logging
 import os
 import time
 
@@ -22,9 +23,19 @@ from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
 
+log = logging.getLogger("asynct")
+
 # the warm-up's last forward: just past the decode-sized fused linears (a cache smaller than
 # this can never hold such a step, so the warm-up stops at its size)
 WARMUP_TOKENS = ops.SMALL_M + 1
+
+
+def warmup_token_counts() -> tuple[list[int], list[int]]:
+    """(the warm-up's forwards, its QKV calls without the KV store), in tokens: every count the
+    fused linears' CUDA-core path takes (1-2), the first past it and SMALL_M (their dot tiles
+    at both row tiles), one past SMALL_M (the unfused ops, the KV write)."""
+    first_dot = ops.GEMV_MAX_ROWS + 1
+    return sorted({*range(1, first_dot + 1), ops.SMALL_M, WARMUP_TOKENS}), [1, first_dot, ops.SMALL_M]
 
 
 class ModelRunner:
@@ -92,8 +103,13 @@ class ModelRunner:
         """At start-up, or (lazy_decode_graphs) before the first decode-only step. Capture writes
         no KV (its slots are -1), so the cache's live sequences are safe mid-run."""
         t0 = time.perf_counter()
-        self.graphs = CudaGraphRunner(self, self.max_num_seqs)
-        self.decode_graphs_pending = False
+        self.decode_graphs_pending = False       # one try: a failed capture is not retried each step
+        try:
+            self.graphs = CudaGraphRunner(self, self.max_num_seqs)
+        except Exception:   # noqa: BLE001  (at start-up the start's error; mid-run, decode goes on eagerly)
+            if not self.lazy_decode_graphs:
+                raise
+            log.warning("capturing the decode graphs failed; decode steps run eagerly", exc_info=True)
         self.capture_seconds["decode_graphs"] = time.perf_counter() - t0
 
     def _compile_ahead(self):
@@ -109,18 +125,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self):
-        """Every kernel compiles now, not in the middle of serving: forwards of one and two tokens
-        (the fused linears' CUDA-core path) and of SMALL_M (their dot tiles at both row tiles,
-        the QKV one storing k/v, prefill), one just past them (the unfused elementwise kernels, the KV write), the QKV
-        kernel without its store at both row tiles (what a piecewise graph's small pieces run),
+        """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
+        without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
         then the attention variants none can reach."""
-        for n in sorted({*range(1, ops.GEMV_MAX_ROWS + 1), ops.SMALL_M, WARMUP_TOKENS}):
+        forwards, no_store = warmup_token_counts()
+        for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                           torch.arange(n, device=self.device), self.builder.build(step))
-        for n in (1, ops.SMALL_M):
+        for n in no_store:
             x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
                                                   self.model.cos_sin_cache, write_kv=False)

@@ -112,6 +112,12 @@ def _tiles(x, k, tiles):
                 num_warps=4 if tiles < sms else 2, num_stages=stages, LINES=lines, GEMV=False, **pdl)
 
 
+def _half(rows, plan):
+    """A paired op's (RoPE, ReGLU) rows of each half a program: half its GEMV rows, or half a
+    dot tile (HALF_TILE: benchmarks change it)."""
+    return rows // 2 if plan else HALF_TILE
+
+
 def _plan(x, k, op):
     """(weight rows a program, launch options) of `op` (a GEMV key) over a K-wide stream: the
     CUDA-core path for as few rows as it wins at, else 16-row dot tiles (_tiles, which needs
@@ -164,11 +170,11 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
                                 for _ in range(2))
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
     rows, plan = _plan(x, k, "qkv")
-    tiles = (num_heads + 2 * num_kv_heads) * d // rows
+    hb = _half(rows, plan)
+    tiles = (num_heads + 2 * num_kv_heads) * d // (2 * hb)
     qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
                                num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
-                               HALF=d // 2, HB=rows // 2 if plan else HALF_TILE, WRITE_KV=write, BS=bs, FP8=fp8,
-                               **(plan or _tiles(x, k, tiles)))
+                               HALF=d // 2, HB=hb, WRITE_KV=write, BS=bs, FP8=fp8, **(plan or _tiles(x, k, tiles)))
     return q, k_out, v
 
 
@@ -179,7 +185,7 @@ def linear_reglu_triton(x, weight):
     (t, k), i = x.shape, weight.shape[0] // 2
     out = torch.empty(t, i, dtype=x.dtype, device=x.device)
     rows, plan = _plan(x, k, "reglu")
-    hb = rows // 2 if plan else HALF_TILE
+    hb = _half(rows, plan)
     tiles = triton.cdiv(i, hb)
     gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=hb, **(plan or _tiles(x, k, tiles)))
     return out
