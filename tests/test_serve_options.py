@@ -64,6 +64,8 @@ def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
             return httpx.post(url + "/v1/chat/completions", json={**body, **extra}, timeout=60)
         assert chat().json()["usage"]["prompt_tokens"] == len("<user>hi<assistant>")
         assert chat(tools=TOOLS).json()["usage"]["prompt_tokens"] == len(want)
+        tokenized = httpx.post(url + "/tokenize", json={"messages": msgs, "tools": TOOLS}, timeout=60).json()
+        assert tokenized["tokens"] == want            # /tokenize renders a chat as the chat route does
         assert chat(response_format={"type": "text"}, repetition_penalty=1.0).status_code == 200
         for field, value in [("response_format", {"type": "json_object"}),
                              ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),

@@ -74,7 +74,8 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         ctx.check_model(body.model)
         ctx.need_tokenizer("/tokenize")
         if body.messages is not None:
-            ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt)
+            ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt,
+                                     body.chat_template_kwargs, body.tools)
         elif body.prompt is not None:
             ids = await ctx.off_loop(ctx.encode, body.prompt, body.add_special_tokens)
         else:

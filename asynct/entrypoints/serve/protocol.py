@@ -172,6 +172,8 @@ class TokenizeRequest(Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict | None = None     # messages are rendered as the chat route renders them
+    tools: list[Tool] | None = None
 
 
 class DetokenizeRequest(Body):
