@@ -201,7 +201,7 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Queues the step's forward and sampling on the device; returns without waiting."""
-        if self.decode_graphs_pending and batch.num_decodes == len(batch.seqs):
+        if self.decode_graphs_pending and batch.is_decode_only:
             self.capture_decode_graphs()
         t0 = time.perf_counter()
         ids, pos, step, pending = self.step_inputs(batch)
@@ -308,6 +308,6 @@ class ModelRunner:
 
 
 def _kind(batch: ScheduledBatch) -> str:
-    if batch.num_decodes == len(batch.seqs):
+    if batch.is_decode_only:
         return "decode"
     return "mixed" if batch.num_decodes else "prefill"

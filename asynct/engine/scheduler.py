@@ -17,6 +17,10 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == len(self.seqs)
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
