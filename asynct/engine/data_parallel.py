@@ -237,20 +237,23 @@ class PrefixHomes:
         cached = [k for k in self.engines.get(key, ()) if k in live]
         return min(cached, key=lambda k: loads[k]) if cached else None
 
-    def deepest(self, keys: list[int], loads, live):
-        """(the deepest of a prompt's keys a live engine holds, the least-loaded such engine),
-        or (None, None)."""
+    def held(self, keys: list[int], loads, live):
+        """(key, its least-loaded live holder) for each of a prompt's keys a live engine holds,
+        deepest first (lazily: the first is often all a caller needs)."""
         for key in reversed(keys):
             k = self.best(key, loads, live)
             if k is not None:
-                return key, k
-        return None, None
+                yield key, k
+
+    def deepest(self, keys: list[int], loads, live):
+        """(the deepest of a prompt's keys a live engine holds, the least-loaded such engine),
+        or (None, None)."""
+        return next(self.held(keys, loads, live), (None, None))
 
     def holders(self, keys: list[int], loads, live) -> list[int]:
         """The least-loaded live holder of each of a prompt's keys, deepest key first, each
         engine once: where its blocks are cached, the most first."""
-        found = (self.best(key, loads, live) for key in reversed(keys))
-        return list(dict.fromkeys(k for k in found if k is not None))
+        return list(dict.fromkeys(k for _, k in self.held(keys, loads, live)))
 
 
 def pick_engine(keys: list[int], in_flight: list[int], live: list[int], homes: PrefixHomes) -> int:
