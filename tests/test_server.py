@@ -188,6 +188,25 @@ def test_streamed_text_offsets_equal_the_response(url):
             assert [t for b in blocks if b for t in b["tokens"]] == want["tokens"]
 
 
+def sse_choices(r) -> list[dict]:
+    return [c for ln in r.text.splitlines() if ln.startswith("data: {") for c in json.loads(ln[6:])["choices"]]
+
+
+def test_streamed_choices_finish_once(url):
+    """n > 1, streamed: a choice that ended early was sent again, with its finish_reason and no
+    text, at every later step of the other choices; as OpenAI, each choice finishes in one chunk,
+    its last."""
+    body = {"model": "tiny", "max_tokens": 40, "n": 4, "seed": 1, "stop": list("aeiou"), "stream": True}
+    whole = post(url, {**body, "prompt": "Hello", "stream": False, "return_token_ids": True}).json()
+    assert len({len(c["token_ids"]) for c in whole["choices"]}) > 1     # they end at different steps
+    for path, extra in (("/v1/completions", {"prompt": "Hello"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        choices = sse_choices(post(url, {**body, **extra}, path))
+        for i in range(4):
+            mine = [c for c in choices if c["index"] == i]
+            assert [bool(c["finish_reason"]) for c in mine].count(True) == 1 and mine[-1]["finish_reason"], path
+
+
 def test_tokenizer_routes(url, llm):
     from lm_eval.utils import check_remote_tokenizer_support
     r = post(url, {"prompt": "héllo"}, "/tokenize").json()

@@ -200,14 +200,19 @@ class TextStream:
     """Per choice: what was already sent, so each chunk carries only the new text and tokens.
     While running, the last len(longest stop) - 1 characters wait: they may turn out to start a
     stop string, which must never reach the client. The last output's text is the engine's whole
-    text (it decodes the output once more at the finish, and leaves out a stop token's text)."""
+    text (it decodes the output once more at the finish, and leaves out a stop token's text).
+    A finished choice is sent once: with n > 1 the request's later outputs still carry it."""
 
     def __init__(self, params):
         self.hold = max((len(s) for s in params.stop_list), default=1) - 1
         self.text, self.num_tokens = "", 0
+        self.finished = False
 
     def delta(self, out) -> tuple[str, int, int] | None:
         """(new text, first new token, end) or None when nothing new is there to send."""
+        if self.finished:
+            return None
+        self.finished = out.finished
         text = out.text
         if not out.finished and self.hold:
             text = text[:max(len(self.text), len(text) - self.hold)]
