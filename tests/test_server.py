@@ -315,6 +315,36 @@ def test_bad_input_then_good(url, llm, why, body, headers, status, words):
         temperature=0, max_tokens=4)).outputs[0].text
 
 
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+NAMED = [  # (path, body, the field `param` must name): each once answered param null, or "prompt"
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, "stop"),
+    ("/v1/completions", {"prompt": "x", "seed": 2 ** 70}, "seed"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "top_k": 100000}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": []}, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
+    ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", NAMED,
+                         ids=[f"{'chat' if 'chat' in p else 'completions'}-{f}" for p, _, f in NAMED])
+def test_bad_value_400_names_its_param(url, path, body, param):
+    r = post(url, {"model": "tiny", **body}, path)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_more_bad_requests_then_good(url, client):
     def chunks():        # a chunked body states no length up front: counted as it arrives
         for _ in range(80):

@@ -1,6 +1,7 @@
 """`SamplingParams`, as in vLLM; every value is checked when it is made, before any work starts.
 Types are strict: a bool is not an integer and a string is not a number."""
 import math
+import re
 from dataclasses import dataclass, field
 
 # vLLM's threshold: below it, logits / temperature overflows float32 (NaN), so it means greedy
@@ -40,7 +41,7 @@ class SamplingParams:
             self.top_k = 0 if self.top_k == -1 else self.top_k
             problems = [msg for bad, msg in self._checks() if bad]
         if problems:
-            raise ValueError("invalid SamplingParams: " + "; ".join(problems))
+            raise SamplingParamsError("invalid SamplingParams: ", problems)
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
 
@@ -98,7 +99,7 @@ class SamplingParams:
         ]
         bad = [msg for is_bad, msg in problems if is_bad]
         if bad:
-            raise ValueError("; ".join(bad))
+            raise SamplingParamsError("", bad)
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +108,15 @@ class SamplingParams:
     @property
     def max_logprobs(self) -> int:
         return max(self.logprobs or 0, self.prompt_logprobs or 0)
+
+
+class SamplingParamsError(ValueError):
+    """Bad sampling values; `param` is the field of the first, so that the server's 400 can name
+    it as OpenAI's errors do. Every problem's message starts with its field's name."""
+
+    def __init__(self, prefix: str, problems: list[str]):
+        super().__init__(prefix + "; ".join(problems))
+        self.param = re.match(r"\w+", problems[0]).group()
 
 
 def _is_int(x) -> bool:

@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                              body.tools)
-    ctx.check_prompt(ids, params)
+    ctx.check_prompt(ids, params, body)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)
     if body.stream:

@@ -22,7 +22,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(lambda: [ctx.encode(p) for p in prompts])
     for p in ids:
-        ctx.check_prompt(p, params)
+        ctx.check_prompt(p, params, body)
     texts = [p if isinstance(p, str) else ctx.decode(i, False) for p, i in zip(prompts, ids)]
     job = Completion(ctx, body, params, request_id("cmpl"), texts, ids)
     handle = ctx.submit(ids, params, stream=body.stream)

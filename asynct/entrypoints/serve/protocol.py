@@ -2,11 +2,11 @@
 Unknown fields are ignored (clients send vendor extras); known ones that asynct cannot honour
 are refused with a 400 rather than silently dropped. Types are strict, as OpenAI's API: "3" is not
 a number, 1 is not a bool, and NaN, Infinity and lone surrogates ("\ud800") are refused."""
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from asynct.engine.sampling_params import SamplingParams
+from asynct.engine.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0      # OpenAI's cap
@@ -57,6 +57,12 @@ class SamplingFields(Body):
     response_format: dict | None = None
     return_token_ids: bool = False        # extension: token ids in each choice (benchmarks)
     user: str | None = None
+    # SamplingParams' fields (and the engine's "prompt") that this request calls otherwise: an
+    # error names the field the client sent
+    RENAMED: ClassVar[dict] = {}
+
+    def api_param(self, field: str) -> str:
+        return self.RENAMED.get(field, field)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -71,15 +77,19 @@ class SamplingFields(Body):
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise Unsupported("response_format", f"response_format {self.response_format.get('type')!r} is not "
                                                  'supported (no guided decoding; only {"type": "text"})')
-        for name, k in (("logprobs", logprobs), ("prompt logprobs", prompt_logprobs)):
+        for field, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
             if k is not None and k > MAX_LOGPROBS:
-                raise ValueError(f"{name} must be at most {MAX_LOGPROBS}, got {k}")
-        return SamplingParams(
-            n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
-            top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-            logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+                name = self.api_param(field)
+                raise Unsupported(name, f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        try:
+            return SamplingParams(
+                n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+                top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+        except SamplingParamsError as e:
+            raise Unsupported(self.api_param(e.param), str(e)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -93,13 +103,14 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    RENAMED: ClassVar[dict] = {"prompt_logprobs": "logprobs"}      # echo's prompt logprobs: `logprobs` asks for them
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
         if not p:
-            raise ValueError("prompt is empty")
+            raise Unsupported("prompt", "prompt is empty")
         return list(p)
 
     def to_params(self) -> SamplingParams:
@@ -108,7 +119,7 @@ class CompletionRequest(SamplingFields):
         if self.best_of not in (None, self.n):
             raise Unsupported("best_of", "best_of other than n is not supported")
         if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens must be >= 1 (0 only with echo)")
+            raise Unsupported("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
         plp = self.logprobs if self.echo and self.logprobs is not None else None
@@ -159,9 +170,14 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
     tool_choice: Literal["none", "auto"] | None = None
 
+    def api_param(self, field: str) -> str:
+        if field == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return {"logprobs": "top_logprobs", "prompt": "messages"}.get(field, field)
+
     def to_params(self) -> SamplingParams:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
 
@@ -182,7 +198,7 @@ class DetokenizeRequest(Body):
 
 
 class Unsupported(ValueError):
-    """A known field with a value asynct cannot honour: a 400 that names it."""
+    """A known field with a value asynct refuses or cannot honour: a 400 that names it."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)

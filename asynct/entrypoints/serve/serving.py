@@ -125,12 +125,13 @@ class ServingContext:
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         return self.detok.encode(prompt)
 
-    def check_prompt(self, ids: list[int], params: SamplingParams):
-        """The engine's own checks, here so that a bad prompt is a 400 before anything queues."""
+    def check_prompt(self, ids: list[int], params: SamplingParams, body):
+        """The engine's own checks, here so that a bad prompt is a 400 before anything queues; a
+        sampling value that does not fit the model (top_k past the vocabulary) names its field."""
         try:
             self.engine.check_prompt(ids, params)
         except ValueError as e:
-            raise ApiError(400, str(e), param="prompt") from None
+            raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self.detok.decode(ids, skip_special_tokens) if self.detok else ""
