@@ -111,6 +111,19 @@ def test_generate_until_refuses_a_generation_that_leaves_no_context():
     assert lm.prompt_tokens["total"] == 1
 
 
+def test_max_length_past_the_engine_is_refused_at_once():
+    """max_length = max_model_len (the model's whole context, as lm-eval's hf backend takes it)
+    made every full rolling window max_length + 1 prompt tokens, which the engine refused: the run
+    failed with a prompt-length error that named no max_length. Now a ValueError says what fits."""
+    with pytest.raises(ValueError, match=r"max_length=64 does not fit max_model_len=64.*\[1, 62\]"):
+        AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=64)
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=62)
+    text = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 7\n" * 3
+    from lm_eval.api.instance import Instance
+    (score,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    assert math.isfinite(score)
+
+
 def test_rolling_windows_and_empty_context_match_reference():
     """Several rolling windows per text (a short max_length), and loglikelihood with an empty
     context (scored after BOS): both through lm-eval's request path on each backend."""

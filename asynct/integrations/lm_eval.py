@@ -51,7 +51,7 @@ class AsyncTLM(TemplateLM):
         self._max_gen_toks = int(max_gen_toks)
         # 2 short of the engine's context: a scored window of max_length + 1 tokens (as lm-eval's hf
         # backend scores) plus the one token the engine must sample still fit
-        self._max_length = int(max_length) if max_length else self.llm.llm_engine.max_model_len - 2
+        self._max_length = _check_max_length(max_length, self.llm.llm_engine.max_model_len)
         self._prefix_token_id = prefix_token_id
         self.batch_size = batch_size  # lm-eval reads it; the engine batches by itself
         AsyncTLM.latest = self
@@ -227,6 +227,20 @@ def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
         total += lp.logprob
         greedy = greedy and lp.rank == 1
     return total, greedy
+
+
+def _check_max_length(max_length, max_model_len: int) -> int:
+    """max_length, or the most that fits max_model_len. A longer one (the model's whole context,
+    which lm-eval's hf backend takes) made every full loglikelihood window a prompt the engine
+    refuses, failing the run after the rest had been computed: refused here, before any request."""
+    limit = max_model_len - 2
+    if not max_length:
+        return limit
+    if not 1 <= int(max_length) <= limit:
+        raise ValueError(f"max_length={max_length} does not fit max_model_len={max_model_len}: a scored window "
+                         f"is max_length + 1 tokens and the engine samples one more, so max_length must be in "
+                         f"[1, {limit}] (lower max_length, or raise max_model_len)")
+    return int(max_length)
 
 
 def _engine_args(kw: dict) -> dict:
