@@ -245,6 +245,28 @@ def test_bad_requests_fail_alone(tiny_ckpt):
     assert_all_blocks_free(llm)
 
 
+def test_any_of_a_config_s_eos_ids_ends_a_sequence(tiny_ckpt, tmp_path):
+    """transformers configs may hold a list of EOS ids (Llama 3's holds three): the engine compared
+    each token with the list itself (never equal: nothing stopped at EOS) and min_tokens requests
+    failed with a TypeError. Any of the ids ends a sequence, and none comes before min_tokens."""
+    import json
+    import shutil
+    prompt = {"prompt_token_ids": [72, 101, 108, 108, 111]}
+    base = LLM(tiny_ckpt).generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    eos = base[3]
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "eos-list")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": [config["eos_token_id"], eos]}))
+    llm = LLM(ckpt)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    cut = base.index(eos) + 1
+    assert (out.token_ids, out.finish_reason) == (base[:cut], "stop")
+    late = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, min_tokens=cut + 1),
+                        use_tqdm=False)[0].outputs[0]
+    assert late.finish_reason in ("stop", "length") and eos not in late.token_ids[:cut]
+    assert len(late.token_ids) > cut
+
+
 def test_generation_stops_at_max_model_len(tiny_ckpt):
     llm = LLM(tiny_ckpt, max_model_len=20)
     out = llm.generate({"prompt_token_ids": [1] * 15}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),

@@ -12,6 +12,7 @@ from asynct.engine.engine_args import EngineArgs, resolve_dtype
 from asynct.engine.inputs import check_prompt, tokenize
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
+from asynct.engine.sampler import eos_ids
 from asynct.engine.sampling_params import SamplingParams
 from asynct.engine.scheduler import ScheduledBatch, Scheduler
 from asynct.engine.sequence import Sequence
@@ -306,7 +307,7 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
-            if token == self.eos_token_id and not p.ignore_eos:
+            if token in eos_ids(self.eos_token_id) and not p.ignore_eos:
                 return "stop"
             if token in p.stop_token_ids:
                 seq.stop_reason = token

@@ -39,13 +39,21 @@ def _exponential_noise(probs, seqs):
     return noise
 
 
+def eos_ids(eos_token_id) -> list[int]:
+    """A config's eos_token_id as a list: transformers configs hold one id, None, or a list of
+    ids any of which ends a sequence (Llama 3's holds three)."""
+    if eos_token_id is None:
+        return []
+    return list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+
+
 def suppress_stops(logits, seqs, eos_token_id):
     """Before min_tokens are out, EOS and stop tokens cannot be drawn (tokens still on the
     device count as out)."""
     rows, cols = [], []
     for i, s in enumerate(seqs):
         if s.num_sampled_tokens < s.params.min_tokens:
-            banned = list(s.params.stop_token_ids) + ([eos_token_id] if eos_token_id is not None else [])
+            banned = list(s.params.stop_token_ids) + eos_ids(eos_token_id)
             banned = [t for t in banned if 0 <= t < logits.shape[1]]
             rows += [i] * len(banned)
             cols += banned
