@@ -29,8 +29,11 @@ class Detokenizer:
         from transformers import AutoTokenizer
         return cls(AutoTokenizer.from_pretrained(p))
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Text prompts get the tokenizer's special tokens (a Llama-style BOS), as vLLM and HF
+        tokenize them: the model was trained on them. False for text that already has them
+        written, a rendered chat template."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)

@@ -6,7 +6,8 @@ from asynct.engine.sampling_params import SamplingParams
 
 
 def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt given as text or token ids; ValueError if neither."""
+    """(text or None, token ids) of a prompt given as text or token ids; ValueError if neither.
+    Text gets the tokenizer's special tokens (BOS), as vLLM's generate; token ids go as given."""
     if isinstance(prompt, str):
         if detokenizer is None:
             raise ValueError("this checkpoint has no tokenizer: give prompt_token_ids instead of text")

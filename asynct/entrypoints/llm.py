@@ -71,9 +71,15 @@ class LLM:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages is a list of messages or a list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = render_conversations(self.get_tokenizer(), conversations, chat_template, add_generation_prompt,
-                                       continue_final_message, tools, chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = render_conversations(self.get_tokenizer(), conversations, chat_template, add_generation_prompt,
+                                     continue_final_message, tools, chat_template_kwargs)
+        # the template writes the special tokens it wants (BOS): encoding the text must not add a second
+        detok = self.llm_engine.detokenizer
+        prompts = [{"prompt_token_ids": detok.encode(t, add_special_tokens=False)} for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
 
     def _run(self, results, total, use_tqdm):
         engine = self.llm_engine

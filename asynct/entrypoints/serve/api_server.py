@@ -75,9 +75,9 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         ctx.need_tokenizer("/tokenize")
         if body.messages is not None:
             ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt,
-                                     body.chat_template_kwargs, body.tools)
+                                     body.chat_template_kwargs, body.tools, body.special_tokens)
         elif body.prompt is not None:
-            ids = await ctx.off_loop(ctx.encode, body.prompt, body.add_special_tokens)
+            ids = await ctx.off_loop(ctx.encode, body.prompt, body.special_tokens)
         else:
             raise ApiError(400, "give prompt or messages")
         return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}

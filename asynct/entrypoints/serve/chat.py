@@ -13,7 +13,8 @@ from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext
                                               error_body, finite, request_id, sse, usage)
 
 
-def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None, tools=None) -> list[int]:
+def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None, tools=None,
+                add_special_tokens=False) -> list[int]:
     ctx.need_tokenizer("chat")
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template, so /v1/chat/completions "
@@ -30,7 +31,7 @@ def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwarg
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
         raise ApiError(400, f"the chat template failed on these messages: {e}") from None
-    return ctx.encode(text)
+    return ctx.encode(text, add_special_tokens)
 
 
 def check_template_kwargs(ctx: ServingContext, kwargs: dict):
@@ -54,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                             body.tools)
+                             body.tools, body.add_special_tokens)
     ctx.check_prompt(ids, params, body)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)

@@ -20,7 +20,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         prompts = body.prompts()
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
-    ids = await ctx.off_loop(lambda: [ctx.encode(p) for p in prompts])
+    ids = await ctx.off_loop(lambda: [ctx.encode(p, body.add_special_tokens) for p in prompts])
     for p in ids:
         ctx.check_prompt(p, params, body)
     texts = [p if isinstance(p, str) else ctx.decode(i, False) for p, i in zip(prompts, ids)]

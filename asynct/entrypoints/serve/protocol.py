@@ -103,6 +103,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True       # vLLM's: a text prompt gets the tokenizer's BOS
     RENAMED: ClassVar[dict] = {"prompt_logprobs": "logprobs"}      # echo's prompt logprobs: `logprobs` asks for them
 
     def prompts(self) -> list[str | list[int]]:
@@ -169,6 +170,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict | None = None
     tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
     tool_choice: Literal["none", "auto"] | None = None
+    add_special_tokens: bool = False      # vLLM's: the template writes BOS itself
 
     def api_param(self, field: str) -> str:
         if field == "max_tokens" and self.max_completion_tokens is not None:
@@ -186,10 +188,18 @@ class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None       # unset: as the route that takes them (special_tokens)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict | None = None     # messages are rendered as the chat route renders them
     tools: list[Tool] | None = None
+
+    @property
+    def special_tokens(self) -> bool:
+        """As vLLM's two tokenize bodies, so that a count equals the route's prompt_tokens: a
+        prompt gets them as /v1/completions (true), messages as chat (false: the template has BOS)."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
 
 class DetokenizeRequest(Body):

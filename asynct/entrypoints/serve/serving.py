@@ -113,7 +113,7 @@ class ServingContext:
             raise ApiError(400, f"this model has no tokenizer, so {what} is not possible: "
                                 "send prompts as token ids")
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = False) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
         self.need_tokenizer("a text prompt")
@@ -121,9 +121,7 @@ class ServingContext:
             raise ApiError(400, f"the prompt has {len(prompt)} characters; this server tokenises at most "
                                 f"{self.max_prompt_chars} (more cannot fit in max_model_len={self.max_model_len} "
                                 "tokens; --max-prompt-chars)", param="prompt")
-        if add_special_tokens:
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return self.detok.encode(prompt)
+        return self.detok.encode(prompt, add_special_tokens)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, body):
         """The engine's own checks, here so that a bad prompt is a 400 before anything queues; a
