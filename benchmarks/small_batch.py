@@ -83,7 +83,7 @@ def no_prefetch():
 def no_gemv():
     """The fused linears' 16-row dot tiles at every row count: the CUDA-core path's same-run peer."""
     orig = fl.GEMV
-    fl.GEMV = {op: (0, *rest) for op, (_, *rest) in orig.items()}
+    fl.GEMV = {op: (rows, block_k, ()) for op, (rows, block_k, _) in orig.items()}
     try:
         yield
     finally:
@@ -112,7 +112,7 @@ def tiles(half_tile=None, **changes):
 def gemv(op, rows, block_k, warps):
     """The CUDA-core path of `op` (a fused_linear.GEMV key) with this config up to its row limit."""
     orig = fl.GEMV
-    fl.GEMV = {**orig, op: (fl.GEMV_MAX_ROWS, rows, block_k, warps)}
+    fl.GEMV = {**orig, op: (rows, block_k, (warps,) * fl.GEMV_MAX_ROWS)}
     try:
         yield
     finally:

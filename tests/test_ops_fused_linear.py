@@ -256,16 +256,16 @@ def test_launch_plan_row_tiles_and_shared_memory():
 
 
 def test_launch_plan_gemv_rows(monkeypatch):
-    """The CUDA-core path where it won: one row for every op, two for o_proj/down only, dot tiles
+    """The CUDA-core path where it won: one row for every op, two for all but gate/up, dot tiles
     of 16 weight rows past that; its K tile never wider than K needs; never more rows than the
     kernel has accumulators for, whatever the table says."""
     from asynct.ops import fused_linear
     from asynct.ops.fused_linear import GEMV, GEMV_MAX_ROWS, TILE_N, _plan
-    monkeypatch.setitem(fused_linear.GEMV, "probe", (GEMV_MAX_ROWS + 2, 2, 512, 4))
+    monkeypatch.setitem(fused_linear.GEMV, "probe", (2, 512, (4,) * (GEMV_MAX_ROWS + 2)))
     assert _plan(torch.zeros(GEMV_MAX_ROWS + 1, 96), 96, "probe")[1] is None
     assert _plan(torch.zeros(GEMV_MAX_ROWS, 96), 96, "probe")[1]["BLOCK_M"] == GEMV_MAX_ROWS
     monkeypatch.delitem(fused_linear.GEMV, "probe")
-    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"dyht_add"}), (3, set())]:
+    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, set())]:
         x = torch.zeros(rows, 96, dtype=torch.bfloat16)
         for op in GEMV:
             n, plan = _plan(x, 96, op)
@@ -274,6 +274,30 @@ def test_launch_plan_gemv_rows(monkeypatch):
                 assert plan["GEMV"] and plan["BLOCK_M"] == rows and plan["BLOCK_K"] == 128 and not plan["EVEN_K"]
             else:
                 assert n == TILE_N
+
+
+@pytest.mark.parametrize("budget", [0, 1 << 20])
+@pytest.mark.parametrize("t", [1, 2])
+def test_gemv_whole_k_tile_and_k_tiles(monkeypatch, budget, t):
+    """The CUDA-core path with all of K in one tile (loaded before the PDL wait) and in K tiles
+    after it (past GEMV_EARLY_ELEMENTS), both against the unfused ops, K past a table tile."""
+    from asynct.ops import fused_linear
+    monkeypatch.setattr(fused_linear, "GEMV_EARLY_ELEMENTS", budget)
+    gen, dt, k = torch.Generator().manual_seed(t), torch.bfloat16, 1100
+    x, res = rand(t, k, gen=gen, dtype=dt), rand(t, 20, gen=gen, dtype=dt)
+    for op in fused_linear.GEMV:
+        plan = fused_linear._plan(x, k, op)[1]
+        assert plan is None or plan["BLOCK_K"] == (2048 if budget else fused_linear.GEMV[op][1]), op
+    w, a = rand(20, k, gen=gen, dtype=dt, scale=0.1), torch.rand(20, generator=gen) + 0.2
+    for g, r in zip(on_dev(linear_dyht_add_triton, x, w, res, a, a), linear_dyht_add_unfused(x, w, res, a, a)):
+        close(g, r, dt)
+    w = rand(12, k, gen=gen, dtype=dt, scale=0.1)
+    close(on_dev(linear_reglu_triton, x, w), linear_reglu_unfused(x, w), dt)
+    w, pos, rope = rand(3 * 16, k, gen=gen, dtype=dt, scale=0.1), torch.arange(t) + 5, rope_cos_sin_cache(16, 64)
+    one = torch.ones(1)
+    args = (x, w, pos, 1, 1, one, one, one, one, rope)
+    for g, r in zip(on_dev(linear_qk_norm_rope_triton, *args), linear_qk_norm_rope_unfused(*args)):
+        close(g, r, dt)
 
 
 def test_dispatch_off_gpu_is_the_reference():
@@ -321,8 +345,9 @@ def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
     """Each kind of launch (kernel, constexprs, warps) that a step of 1 to SMALL_M tokens makes,
     with the KV store and without, is one the engine's warm-up makes (bench-0.6b's layer on an
     H200's 132 SMs, kernels replaced by recorders): nothing compiles in the middle of serving.
-    Two-token steps took the CUDA-core path for o_proj/down only, and three-token steps dot tiles
-    no warm-up count reached, until the warm-up counted the first count past the GEMV rows."""
+    Three-token steps once took dot tiles no warm-up count reached, until the warm-up counted
+    the first count past the GEMV rows; two-token QKV calls without the store take the
+    CUDA-core path since it serves QKV at two rows."""
     from asynct.engine.model_runner import warmup_token_counts
     from asynct.ops import fused_linear as fl
     seen = set()

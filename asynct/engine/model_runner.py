@@ -35,7 +35,8 @@ def warmup_token_counts() -> tuple[list[int], list[int]]:
     fused linears' CUDA-core path takes (1-2), the first past it and SMALL_M (their dot tiles
     at both row tiles), one past SMALL_M (the unfused ops, the KV write)."""
     first_dot = ops.GEMV_MAX_ROWS + 1
-    return sorted({*range(1, first_dot + 1), ops.SMALL_M, WARMUP_TOKENS}), [1, first_dot, ops.SMALL_M]
+    gemv_and_dots = [*range(1, first_dot + 1), ops.SMALL_M]
+    return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
 
 
 class ModelRunner:

@@ -24,10 +24,14 @@ L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.p
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
 # The CUDA-core path (GEMV) where it beat the tl.dot kernels (H200, bench-0.6b's shapes, the best
-# of 50 configs; benchmarks/RESULTS.md): (most activation rows, weight rows a program, K tile,
-# warps). QKV and gate/up lose or tie at two rows (gate/up 0.95x as ops).
-GEMV = {"qkv": (1, 8, 512, 4), "reglu": (1, 4, 1024, 4), "dyht_add": (2, 2, 1024, 4)}
+# of 50 configs, then in whole steps; benchmarks/RESULTS.md): (weight rows a program, K tile,
+# warps at 1, 2, ... activation rows: as many rows as it serves). gate/up loses at two rows
+# (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
+GEMV = {"qkv": (8, 512, (4, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4))}
 GEMV_MAX_ROWS = 2   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
+# Weights a GEMV program may load as one K tile, before its PDL wait (_gemv_rows): 16 KB of
+# bf16, 64 fp32 registers a thread at 4 warps. Past it (K >= 4,096 at 8 rows), K tiles after the wait.
+GEMV_EARLY_ELEMENTS = 8192
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
@@ -121,13 +125,16 @@ def _half(rows, plan):
 def _plan(x, k, op):
     """(weight rows a program, launch options) of `op` (a GEMV key) over a K-wide stream: the
     CUDA-core path for as few rows as it wins at, else 16-row dot tiles (_tiles, which needs
-    the program count: the caller's)."""
-    most, rows, block_k, warps = GEMV[op]
-    if x.shape[0] > min(most, GEMV_MAX_ROWS):
+    the program count: the caller's). The GEMV takes one K tile where its rows fit
+    GEMV_EARLY_ELEMENTS, else the table's."""
+    rows, block_k, warps = GEMV[op]
+    m = x.shape[0]
+    if m > min(len(warps), GEMV_MAX_ROWS):
         return TILE_N, None
-    block_k = min(block_k, triton.next_power_of_2(k))
-    return rows, dict(BLOCK_M=x.shape[0], BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="ieee",
-                      num_warps=warps, num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
+    whole = triton.next_power_of_2(k)
+    block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole)
+    return rows, dict(BLOCK_M=m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="ieee",
+                      num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
 
 
 def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):

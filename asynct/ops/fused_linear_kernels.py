@@ -44,20 +44,30 @@ def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.co
     """_dot_rows for one or two activation rows (BLOCK_M), on the CUDA cores: K is unrolled, so
     all of a program's weight loads go out at once, straight into registers, and a 16-row dot
     tile's 15 empty rows cost nothing. Fewer weight rows a program than a dot tile's 16 make
-    more programs (o_proj: 512, not 64), so every SM streams. No L2 prefetch before the wait:
-    batch-1 steps 1.07x slower with it (H200, benchmarks/RESULTS.md)."""
+    more programs (o_proj: 512, not 64), so every SM streams. Where one K tile holds the whole
+    rows, they load before the PDL wait (weights are no kernel's output): the DRAM round trip
+    overlaps the kernel before instead of following it (batch-1 steps 1.07x faster, though most
+    ops alone ran slower; an L2 prefetch there instead made steps 1.07x slower. H200,
+    benchmarks/RESULTS.md)."""
     kk = tl.arange(0, BLOCK_K)
     base = w_ptr + tl.where(rmask, rows, 0).to(tl.int64)[:, None] * K
-    wait_for_prior(PDL)
-    acc0 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
-    acc1 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
-    for k0 in tl.static_range(0, K, BLOCK_K):
-        km = k0 + kk < K
-        w = tl.load(base + k0 + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        acc0 += w * tl.load(x_ptr + k0 + kk, mask=km, other=0.0).to(tl.float32)[None, :]
-        if BLOCK_M == 2:
-            x1 = tl.load(x_ptr + sx + k0 + kk, mask=km & (M > 1), other=0.0)
-            acc1 += w * x1.to(tl.float32)[None, :]
+    if BLOCK_K >= K:
+        km = kk < K
+        w = tl.load(base + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
+        wait_for_prior(PDL)
+        acc0 = w * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+        acc1 = w * tl.load(x_ptr + sx + kk, mask=km & (M > 1), other=0.0).to(tl.float32)[None, :]
+    else:
+        wait_for_prior(PDL)
+        acc0 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+        acc1 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+        for k0 in tl.static_range(0, K, BLOCK_K):
+            km = k0 + kk < K
+            w = tl.load(base + k0 + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
+            acc0 += w * tl.load(x_ptr + k0 + kk, mask=km, other=0.0).to(tl.float32)[None, :]
+            if BLOCK_M == 2:
+                x1 = tl.load(x_ptr + sx + k0 + kk, mask=km & (M > 1), other=0.0)
+                acc1 += w * x1.to(tl.float32)[None, :]
     if BLOCK_M == 2:
         acc = tl.trans(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)))
     else:
