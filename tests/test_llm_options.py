@@ -52,6 +52,16 @@ def test_sizes_below_one_are_clear_errors(tiny_ckpt, bad):
         LLM(tiny_ckpt, **bad)
 
 
+def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
+    """A step admits new sequences only when admission_batch slots are free: with more than
+    max_num_seqs, generate waited forever."""
+    with pytest.raises(ValueError, match="admission_batch=8 exceeds max_num_seqs=4"):
+        LLM(tiny_ckpt, max_num_seqs=4, admission_batch=8)
+    llm = LLM(tiny_ckpt, max_num_seqs=4, admission_batch=4)
+    outs = llm.generate([[1, 2, i] for i in range(10)], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
+
+
 def test_chat_renders_with_the_template_and_generates(llm):
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=8)

@@ -67,6 +67,11 @@ class EngineArgs:
         for name in ("max_model_len", "num_kv_blocks", "admission_batch"):
             if getattr(self, name) is not None and not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer or None, got {getattr(self, name)!r}")
+        if self.admission_batch is not None and self.admission_batch > self.max_num_seqs:
+            # new sequences join only when admission_batch slots are free: more than the batch
+            # holds are never free, so nothing would ever start (generate waited forever)
+            raise ValueError(f"admission_batch={self.admission_batch} exceeds max_num_seqs={self.max_num_seqs}; "
+                             "no step could admit that many new sequences")
         u = self.gpu_memory_utilization
         if not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
