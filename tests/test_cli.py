@@ -36,3 +36,13 @@ def test_generate_reads_stdin_as_one_prompt(tiny_ckpt, capsys, monkeypatch):
     assert main(["generate", str(tiny_ckpt), "--max-tokens", "2", "--json"]) == 0
     [row] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert row["prompt"] == "Question: first line\nsecond line\n"
+
+
+@pytest.mark.parametrize("device", ["bogus", "cuda", "cuda:7"])
+def test_a_device_that_is_not_there_is_a_clear_error(tiny_ckpt, capsys, monkeypatch, device):
+    """An unparsable device, or a GPU the machine lacks, ended in a traceback from torch
+    (RuntimeError listing every device type, AssertionError "not compiled with CUDA")."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2", "--device", device]) == 2
+    assert f"asynct generate: error: device={device!r}" in capsys.readouterr().err

@@ -81,6 +81,24 @@ def _is_positive_int(x) -> bool:
     return _is_int(x) and x >= 1
 
 
+def resolve_device(device: str | None) -> torch.device:
+    """The engine's device: `device`, or a GPU where there is one. A name torch cannot parse, or
+    a GPU this machine lacks, is a ValueError naming it (torch's own errors came from deep in
+    start-up: a RuntimeError listing every device type, or "Torch not compiled with CUDA")."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}, but this machine has no usable CUDA GPU; use device='cpu'")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}, but {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return d
+
+
 def resolve_dtype(dtype, config, device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -8,7 +8,7 @@ import torch
 
 from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
-from asynct.engine.engine_args import EngineArgs, resolve_dtype
+from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
 from asynct.engine.inputs import check_prompt, tokenize
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
@@ -71,7 +71,7 @@ class LLMEngine:
         if args.seed is not None:
             torch.manual_seed(args.seed)      # every device's default generator, as vLLM seeds its workers
         self.config = prepare_config_for_load(args.model)
-        self.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.config)
