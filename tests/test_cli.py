@@ -46,3 +46,12 @@ def test_a_device_that_is_not_there_is_a_clear_error(tiny_ckpt, capsys, monkeypa
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2", "--device", device]) == 2
     assert f"asynct generate: error: device={device!r}" in capsys.readouterr().err
+
+
+def test_make_checkpoint_onto_a_file_is_a_clear_error(tmp_path, capsys):
+    """An output path that is a file raised FileExistsError (an OSError the CLI did not catch)."""
+    target = tmp_path / "a-file"
+    target.write_text("")
+    assert main(["make-checkpoint", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asynct make-checkpoint: error: ") and str(target) in err

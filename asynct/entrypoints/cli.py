@@ -162,7 +162,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:   # OSError: any path the user gave (exists, not a directory, no access)
         print(f"asynct {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
