@@ -55,3 +55,11 @@ def test_make_checkpoint_onto_a_file_is_a_clear_error(tmp_path, capsys):
     assert main(["make-checkpoint", str(target)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("asynct make-checkpoint: error: ") and str(target) in err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_port_outside_the_tcp_range_fails_at_parse_time(capsys, port):
+    """--port 99999 was taken: the resolver wrapped it, and the server listened on 34463."""
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "/nonexistent", "--port", port])
+    assert e.value.code == 2 and "argument --port" in capsys.readouterr().err

@@ -10,7 +10,7 @@ def add_parser(sub):
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
     p.add_argument("model", metavar="MODEL_DIR")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535")
     p.add_argument("--api-key", default=os.environ.get("ASYNCT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (env ASYNCT_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL_DIR)")
@@ -37,6 +37,19 @@ def add_parser(sub):
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve)
     return p
+
+
+def port(s: str) -> int:
+    """A TCP port: beyond 65535 the resolver wraps it silently (99999 served on 34463 while the
+    log said 99999)."""
+    import argparse
+    try:
+        n = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a port number") from None
+    if not 0 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"port {n} is outside 0-65535")
+    return n
 
 
 def add_limit_args(p):
