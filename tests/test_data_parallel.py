@@ -210,6 +210,23 @@ def test_killed_engine_fails_only_its_requests(dp_llm, tiny_ckpt):
     assert [summary(o) for o in after] == [summary(o) for o in one]
 
 
+def test_an_engine_that_died_idle_gets_no_new_requests(tiny_ckpt):
+    """An engine killed between two calls: the next call's requests all go to the engine left
+    (half of them failed, "exited while running this request", before it was noticed)."""
+    llm = LLM(tiny_ckpt, data_parallel_size=2, **ENGINE)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate([f"warm {i}" for i in range(4)], greedy, use_tqdm=False)
+        victim = llm.llm_engine.clients[1].proc
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=10)
+        outs = llm.generate([f"request {i}" for i in range(8)], greedy, use_tqdm=False)
+        assert [o.error for o in outs] == [None] * 8
+        assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def metrics_by_engine(url) -> dict:
     import httpx
     text = httpx.get(url + "/metrics").text

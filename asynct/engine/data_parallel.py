@@ -120,7 +120,9 @@ class DataParallelEngine:
         return len(ids) + params.n * new
 
     def _dispatch(self):
-        live = [k for k in range(self.size) if self.dead[k] is None]
+        # a process may have exited while idle, its exit not yet read: requests sent there would
+        # fail as if it had died running them, with live engines at hand
+        live = [k for k in range(self.size) if self.dead[k] is None and self.clients[k].proc.is_alive()]
         # sorted, so that a shared prefix cut into shares is cut where the prompts part least
         rids = sorted(self.unassigned, key=lambda rid: self.requests[rid].out.prompt_token_ids)
         self.unassigned = []
