@@ -181,6 +181,18 @@ def test_engine_processes_get_their_gpu_and_multicast_off(monkeypatch):
     assert gpus_for(EngineArgs(model="m", device="cpu"), 2) == [None, None]
 
 
+def spawn_exit(args):
+    """Runs in the engine process: it dies while loading, sending nothing."""
+    os._exit(3)
+
+
+def test_an_engine_process_dying_while_loading_names_its_exit_code():
+    """The exit closed the pipe, poll read it as ready, and recv raised a bare EOFError."""
+    client = CoreClient(EngineArgs(model="unused"), spawn_exit)
+    with pytest.raises(RuntimeError, match="the engine process exited with code 3 while loading"):
+        client.wait_ready()
+
+
 def test_killed_engine_fails_only_its_requests(dp_llm, tiny_ckpt):
     """SIGKILL one engine process mid-run: its requests come back with an error naming it, the
     other engine's finish in full, and the next call runs on the engine left (last in this module:

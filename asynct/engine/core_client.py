@@ -43,12 +43,19 @@ class CoreClient:
         not start (a bad checkpoint or option, mostly)."""
         while not self.outbox.poll(0.2):
             if not self.proc.is_alive():
-                raise RuntimeError(f"{self.name} exited with code {self.proc.exitcode} while loading")
-        kind, info = self.outbox.recv()
+                raise self._died_loading()
+        try:
+            kind, info = self.outbox.recv()
+        except EOFError:     # it exited without a word: poll reads the closed pipe as ready
+            raise self._died_loading() from None
         if kind == "failed":
             self.proc.join(timeout=10)
             raise ValueError(f"{self.name} could not start: {info}")
         return info
+
+    def _died_loading(self) -> RuntimeError:
+        self.proc.join(timeout=10)
+        return RuntimeError(f"{self.name} exited with code {self.proc.exitcode} while loading")
 
     def start(self, on_message):
         """`on_message(msg)` runs on the receiver thread for each message of the core, and last
