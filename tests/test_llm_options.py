@@ -62,6 +62,17 @@ def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
     assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
 
 
+def test_generate_takes_tuples_of_prompts_and_params_as_lists(llm):
+    """As vLLM's sequences: a tuple of prompts was taken as one prompt (an error: "token ids
+    must be integers") and a tuple of SamplingParams failed every request."""
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], greedy, use_tqdm=False)]
+    for prompts, params in ((tuple(PROMPTS[:2]), greedy), (PROMPTS[:2], (greedy, greedy))):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.error for o in outs] == [None, None]
+        assert [o.outputs[0].token_ids for o in outs] == want
+
+
 def test_chat_renders_with_the_template_and_generates(llm):
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=8)

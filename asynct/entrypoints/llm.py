@@ -40,8 +40,9 @@ class LLM:
         return d.tokenizer if d else None
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        prompts = prompts if isinstance(prompts, list) else [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        prompts = _batch(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
+            else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         results: dict[str, RequestOutput] = {}
@@ -97,6 +98,11 @@ class LLM:
                                 f"output: {(engine.stats['generation_tokens'] - generated) / dt:.2f} toks/s",
                                 refresh=False)
         bar.close()
+
+
+def _batch(prompts) -> list:
+    """The prompts of one call: a list or tuple of them (vLLM takes any sequence), or one prompt."""
+    return list(prompts) if isinstance(prompts, (list, tuple)) else [prompts]
 
 
 def _prompt_input(prompt):
