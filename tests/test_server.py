@@ -345,6 +345,17 @@ def test_bad_value_400_names_its_param(url, path, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+def test_a_chat_past_max_prompt_chars_names_messages(tiny_ckpt):
+    """The rendered chat's length check named "prompt", a field chat requests do not have."""
+    from asynct.entrypoints.serve.limits import ServerLimits
+    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny", limits=ServerLimits(max_prompt_chars=100))) as u:
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 200}]}
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = post(u, chat, path)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", (path, r.text)
+        assert post(u, {"model": "tiny", "prompt": "x" * 200}).json()["error"]["param"] == "prompt"
+
+
 def test_more_bad_requests_then_good(url, client):
     def chunks():        # a chunked body states no length up front: counted as it arrives
         for _ in range(80):

@@ -31,7 +31,7 @@ def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwarg
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
         raise ApiError(400, f"the chat template failed on these messages: {e}") from None
-    return ctx.encode(text, add_special_tokens)
+    return ctx.encode(text, add_special_tokens, param="messages")
 
 
 def check_template_kwargs(ctx: ServingContext, kwargs: dict):

@@ -113,14 +113,15 @@ class ServingContext:
             raise ApiError(400, f"this model has no tokenizer, so {what} is not possible: "
                                 "send prompts as token ids")
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        """`param`: the request field the text came from (a rendered chat: "messages")."""
         if not isinstance(prompt, str):
             return list(prompt)
         self.need_tokenizer("a text prompt")
         if len(prompt) > self.max_prompt_chars:
             raise ApiError(400, f"the prompt has {len(prompt)} characters; this server tokenises at most "
                                 f"{self.max_prompt_chars} (more cannot fit in max_model_len={self.max_model_len} "
-                                "tokens; --max-prompt-chars)", param="prompt")
+                                "tokens; --max-prompt-chars)", param=param)
         return self.detok.encode(prompt, add_special_tokens)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, body):
