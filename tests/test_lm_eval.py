@@ -111,17 +111,25 @@ def test_generate_until_refuses_a_generation_that_leaves_no_context():
     assert lm.prompt_tokens["total"] == 1
 
 
-def test_max_length_past_the_engine_is_refused_at_once():
+def test_max_length_of_the_whole_context_scores_clipped_windows():
     """max_length = max_model_len (the model's whole context, as lm-eval's hf backend takes it)
     made every full rolling window max_length + 1 prompt tokens, which the engine refused: the run
-    failed with a prompt-length error that named no max_length. Now a ValueError says what fits."""
-    with pytest.raises(ValueError, match=r"max_length=64 does not fit max_model_len=64.*\[1, 62\]"):
-        AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=64)
-    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=62)
-    text = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 7\n" * 3
+    failed with a prompt-length error that named no max_length. Windows now stop 2 short of the
+    context (scores equal max_length=62's) and generation keeps the whole max_length; past the
+    context, a ValueError says so."""
+    with pytest.raises(ValueError, match=r"max_length=65 does not fit max_model_len=64"):
+        AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=65)
     from lm_eval.api.instance import Instance
-    (score,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
-    assert math.isfinite(score)
+    text = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 7\n" * 3
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    whole, clipped = (AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=n)
+                      for n in (64, 62))
+    assert whole.max_length == 64
+    (a,), (b,) = (lm.loglikelihood_rolling(rolling, disable_tqdm=True) for lm in (whole, clipped))
+    assert math.isfinite(a) and a == pytest.approx(b, rel=1e-6)
+    (out,) = whole.generate_until([Instance("generate_until", {}, (text, {"until": ["\n\n"], "max_gen_toks": 8}), 0)],
+                                  disable_tqdm=True)
+    assert isinstance(out, str)
 
 
 def test_rolling_windows_and_empty_context_match_reference():

@@ -15,6 +15,7 @@ all of it at once (lm-eval's `batch_size` is accepted and ignored):
 Tokenisation matches lm-eval's `hf` backend (`tok_encode`, `_encode_pair`, BOS as the prefix of
 an empty context) so both backends score exactly the same token sequences.
 """
+import logging
 import time
 
 from lm_eval import models as _builtin_models  # noqa: F401  (must load before register_model,
@@ -26,6 +27,8 @@ from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from asynct.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # lm-eval gen_kwargs that SamplingParams takes under the same name
 _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
@@ -49,9 +52,7 @@ class AsyncTLM(TemplateLM):
         if self.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer files; lm-eval needs text in and out")
         self._max_gen_toks = int(max_gen_toks)
-        # 2 short of the engine's context: a scored window of max_length + 1 tokens (as lm-eval's hf
-        # backend scores) plus the one token the engine must sample still fit
-        self._max_length = _check_max_length(max_length, self.llm.llm_engine.max_model_len)
+        self._max_length, self._score_length = _lengths(max_length, self.llm.llm_engine.max_model_len)
         self._prefix_token_id = prefix_token_id
         self.batch_size = batch_size  # lm-eval reads it; the engine batches by itself
         AsyncTLM.latest = self
@@ -135,7 +136,7 @@ class AsyncTLM(TemplateLM):
     # ---- loglikelihood ------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """requests: ((context, continuation) or None, context_ids, continuation_ids)."""
-        keep = self.max_length + 1   # as the hf backend: max_length predictions after 1 context token
+        keep = self._score_length + 1   # as the hf backend: max_length predictions after 1 context token
         inputs, ctxlens = [], []
         for _, ctx, cont in requests:
             whole = (ctx + cont)[-keep:]
@@ -171,7 +172,7 @@ class AsyncTLM(TemplateLM):
         for i, (text,) in enumerate(r.args for r in requests):
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
                     token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+                    max_seq_len=self._score_length, context_len=1)):
                 windows.append((None, ctx, cont))
                 owner.append(i)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -229,18 +230,22 @@ def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
     return total, greedy
 
 
-def _check_max_length(max_length, max_model_len: int) -> int:
-    """max_length, or the most that fits max_model_len. A longer one (the model's whole context,
-    which lm-eval's hf backend takes) made every full loglikelihood window a prompt the engine
-    refuses, failing the run after the rest had been computed: refused here, before any request."""
+def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
+    """(max_length, the scored window's): a scored window is max_length + 1 prompt tokens, as
+    lm-eval's hf backend scores, and the engine samples one more, so windows stop 2 short of
+    max_model_len; generation fits prompt + max_gen_toks in max_length, up to max_model_len. A
+    max_length of the model's whole context (as hf takes it) once made every full window a prompt
+    the engine refused, failing the run after the rest was computed: its windows are clipped."""
     limit = max_model_len - 2
     if not max_length:
-        return limit
-    if not 1 <= int(max_length) <= limit:
-        raise ValueError(f"max_length={max_length} does not fit max_model_len={max_model_len}: a scored window "
-                         f"is max_length + 1 tokens and the engine samples one more, so max_length must be in "
-                         f"[1, {limit}] (lower max_length, or raise max_model_len)")
-    return int(max_length)
+        return limit, limit
+    if not 1 <= int(max_length) <= max_model_len:
+        raise ValueError(f"max_length={max_length} does not fit max_model_len={max_model_len} (lower "
+                         f"max_length, or raise max_model_len)")
+    if int(max_length) > limit:
+        logger.warning("loglikelihood windows are %d tokens (max_model_len=%d less the 2 the engine needs), "
+                       "not max_length=%s", limit, max_model_len, max_length)
+    return int(max_length), min(int(max_length), limit)
 
 
 def _engine_args(kw: dict) -> dict:
