@@ -31,7 +31,6 @@ from asynct import LLM
 from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
 from asynct.ops import _triton, fused_linear as fl
-from asynct.ops._triton import triton
 from asynct.ops.rope import rope_cos_sin_cache
 
 C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
@@ -122,6 +121,16 @@ def gemv(op, rows, block_k, warps):
 # (weight rows a program, K tile, warps) of the CUDA-core path, swept at 1 and 2 rows
 GEMV_SWEEP = [(r, bk, w) for r in (2, 4, 8, 16) for bk in (512, 1024, 4096) for w in (4, 8) if r * bk <= 16384]
 GEMV_OPS = {"qkv+norm+rope": "qkv", "o+dyht_add": "dyht_add", "gate_up+reglu": "reglu", "down+dyht_add": "dyht_add"}
+def gemv_configs(op, k, m):
+    """GEMV_SWEEP's configs as the plan runs them, each once: its K tile is all of K wherever
+    the rows fit fused_linear.GEMV_EARLY_ELEMENTS, whatever the config asks."""
+    runs = {}
+    for r, bk, w in GEMV_SWEEP:
+        with gemv(op, r, bk, w):
+            runs.setdefault((r, fl._plan(torch.zeros(m, k), k, op)[1]["BLOCK_K"], w), None)
+    return list(runs)
+
+
 # (BLOCK_K, stages, warps, rows per tile / 2) of the dot tiles at 1 and 32 rows
 SWEEP = [(256, 4, 4, 8), (512, 3, 4, 8), (256, 4, 2, 8), (512, 3, 2, 8), (1024, 2, 4, 8),
          (256, 6, 4, 8), (512, 4, 4, 8), (512, 3, 4, 16), (256, 4, 2, 16), (512, 3, 2, 16),
@@ -171,8 +180,8 @@ def ops_table(copy_bw, sweep):
             sweeps = [(f"dot bk{bk} st{st} w{w} rows{2 * hb}", tiles(hb, BLOCK_K=bk, num_stages=st, num_warps=w))
                       for bk, st, w, hb in (configs if m in (1, fl.SMALL_M) else [])]
             sweeps += [(f"gemv rows{r} bk{bk} w{w}", gemv(GEMV_OPS[name], r, bk, w))
-                       for r, bk, w in (GEMV_SWEEP if sweep and m <= fl.GEMV_MAX_ROWS else [])
-                       if bk <= triton.next_power_of_2(shape[1])]
+                       for r, bk, w in (gemv_configs(GEMV_OPS[name], shape[1], m)
+                                        if sweep and m <= fl.GEMV_MAX_ROWS else [])]
             for label, mode in sweeps:
                 with no_gemv() if label.startswith("dot") else contextlib.nullcontext(), mode:
                     try:

@@ -1,5 +1,6 @@
 """The engine against the reference model: greedy tokens, logprobs, preemption, chunking,
 prefix caching, sampling, stops, and every KV block freed."""
+import pickle
 from pathlib import Path
 
 import pytest
@@ -292,8 +293,11 @@ def test_max_model_len_beyond_the_rope_tables_is_a_clear_error(tiny_ckpt):
                                  dict(temperature=10**400), dict(n=True), dict(ignore_eos="no"),
                                  dict(max_tokens="3"), dict(seed=4.0), dict(logprobs=True)])
 def test_invalid_sampling_params(bad):
-    with pytest.raises(ValueError, match="invalid SamplingParams"):
+    with pytest.raises(ValueError, match="invalid SamplingParams") as e:
         SamplingParams(**bad)
+    # the field comes with it, also across processes (a pool's worker raising it)
+    again = pickle.loads(pickle.dumps(e.value))
+    assert again.param == e.value.param in bad and str(again) == str(e.value)
 
 
 def test_tiny_temperature_is_greedy():

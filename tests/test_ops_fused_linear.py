@@ -264,6 +264,9 @@ def test_launch_plan_gemv_rows(monkeypatch):
     monkeypatch.setitem(fused_linear.GEMV, "probe", (2, 512, (4,) * (GEMV_MAX_ROWS + 2)))
     assert _plan(torch.zeros(GEMV_MAX_ROWS + 1, 96), 96, "probe")[1] is None
     assert _plan(torch.zeros(GEMV_MAX_ROWS, 96), 96, "probe")[1]["BLOCK_M"] == GEMV_MAX_ROWS
+    # rows past GEMV_EARLY_ELEMENTS take K tiles after the wait, even if the table's tile holds K
+    monkeypatch.setitem(fused_linear.GEMV, "probe", (16, 1024, (4,)))
+    assert _plan(torch.zeros(1, 1024), 1024, "probe")[1]["BLOCK_K"] < 1024
     monkeypatch.delitem(fused_linear.GEMV, "probe")
     for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, set())]:
         x = torch.zeros(rows, 96, dtype=torch.bfloat16)

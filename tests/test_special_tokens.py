@@ -53,6 +53,12 @@ def test_generate_prepends_bos_to_text_only(llm):
     assert ids.prompt_token_ids == [104, 105]
 
 
+def test_an_empty_text_prompt_is_its_bos(llm, url):
+    """As vLLM: "" with a BOS tokenizer is the prompt [BOS]; it was refused as empty."""
+    assert llm.generate([""], ONE, use_tqdm=False)[0].prompt_token_ids == [BOS_ID]
+    assert post(url, "/v1/completions", {"prompt": "", "max_tokens": 1})["usage"]["prompt_tokens"] == 1
+
+
 def test_chat_has_one_bos(llm):
     out = llm.chat(MESSAGES, ONE, use_tqdm=False)[0]
     assert out.prompt.startswith(BOS)

@@ -33,7 +33,9 @@ class Detokenizer:
         """Text prompts get the tokenizer's special tokens (a Llama-style BOS), as vLLM and HF
         tokenize them: the model was trained on them. False for text that already has them
         written, a rendered chat template."""
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens) if text else []
+        if not text and not add_special_tokens:
+            return []
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)    # "": [BOS], as vLLM
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self._decode(ids, skip_special_tokens=skip_special_tokens)

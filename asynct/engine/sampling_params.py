@@ -41,7 +41,7 @@ class SamplingParams:
             self.top_k = 0 if self.top_k == -1 else self.top_k
             problems = [msg for bad, msg in self._checks() if bad]
         if problems:
-            raise SamplingParamsError("invalid SamplingParams: ", problems)
+            raise SamplingParamsError.of("invalid SamplingParams: ", problems)
         if self.temperature < GREEDY_TEMPERATURE:
             self.temperature = 0.0
 
@@ -99,7 +99,7 @@ class SamplingParams:
         ]
         bad = [msg for is_bad, msg in problems if is_bad]
         if bad:
-            raise SamplingParamsError("", bad)
+            raise SamplingParamsError.of("", bad)
 
     @property
     def greedy(self) -> bool:
@@ -114,9 +114,16 @@ class SamplingParamsError(ValueError):
     """Bad sampling values; `param` is the field of the first, so that the server's 400 can name
     it as OpenAI's errors do. Every problem's message starts with its field's name."""
 
-    def __init__(self, prefix: str, problems: list[str]):
-        super().__init__(prefix + "; ".join(problems))
-        self.param = re.match(r"\w+", problems[0]).group()
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+    @classmethod
+    def of(cls, prefix: str, problems: list[str]) -> "SamplingParamsError":
+        return cls(prefix + "; ".join(problems), re.match(r"\w+", problems[0]).group())
+
+    def __reduce__(self):     # pickled whole (a process pool's worker raising it): message and param
+        return type(self), (str(self), self.param)
 
 
 def _is_int(x) -> bool:

@@ -30,7 +30,8 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 GEMV = {"qkv": (8, 512, (4, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4))}
 GEMV_MAX_ROWS = 2   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Weights a GEMV program may load as one K tile, before its PDL wait (_gemv_rows): 16 KB of
-# bf16, 64 fp32 registers a thread at 4 warps. Past it (K >= 4,096 at 8 rows), K tiles after the wait.
+# bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at
+# 2), K tiles after the wait.
 GEMV_EARLY_ELEMENTS = 8192
 
 
@@ -132,7 +133,8 @@ def _plan(x, k, op):
     if m > min(len(warps), GEMV_MAX_ROWS):
         return TILE_N, None
     whole = triton.next_power_of_2(k)
-    block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole)
+    # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
+    block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
     return rows, dict(BLOCK_M=m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="ieee",
                       num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
 

@@ -66,7 +66,8 @@ class Completion:
         if self.body.logprobs is not None:
             rows = self._prompt_rows(i, plp) if echo else []
             rows += [token_row(c.token_ids[k], c.logprobs[k]) for k in range(start, end)]
-            # offsets into prompt + completion, as OpenAI's API counted them
+            # offsets into prompt + completion, summing the rows' token texts as OpenAI's API and
+            # vLLM count them (so a BOS row, which the echoed prompt text lacks, shifts them all)
             if offset is None:
                 offset = 0 if echo else len(self.texts[i])
             choice["logprobs"] = logprobs_block(rows, offset)
