@@ -57,6 +57,22 @@ def test_make_checkpoint_onto_a_file_is_a_clear_error(tmp_path, capsys):
     assert err.startswith("asynct make-checkpoint: error: ") and str(target) in err
 
 
+def test_an_engine_that_dies_loading_is_one_line(tiny_ckpt, capsys, monkeypatch):
+    """`asynct serve` whose engine process died while loading (killed for memory) ended in the
+    parent's traceback; other RuntimeErrors still raise."""
+    from asynct.engine.core_client import EngineDeadError
+    from asynct.entrypoints import serve
+
+    def dies(args):
+        raise EngineDeadError("the engine process exited with code -9 while loading")
+    monkeypatch.setattr(serve, "cmd_serve", dies)
+    assert main(["serve", str(tiny_ckpt)]) == 1
+    assert capsys.readouterr().err == "asynct serve: error: the engine process exited with code -9 while loading\n"
+    monkeypatch.setattr(serve, "cmd_serve", lambda args: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["serve", str(tiny_ckpt)])
+
+
 @pytest.mark.parametrize("port", ["99999", "-1", "http"])
 def test_serve_port_outside_the_tcp_range_fails_at_parse_time(capsys, port):
     """--port 99999 was taken: the resolver wrapped it, and the server listened on 34463."""

@@ -17,6 +17,11 @@ CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 _env_lock = threading.Lock()
 
 
+class EngineDeadError(RuntimeError):
+    """An engine process exited (killed for memory, a crash in the driver): what it printed
+    before, if anything, says why; a command line shows this line, not the parent's traceback."""
+
+
 class CoreClient:
     def __init__(self, args: EngineArgs, make_engine=LLMEngine, index: int | None = None, gpu: str | None = None):
         """Starts the process without waiting for it, so that several load their models at once
@@ -53,9 +58,9 @@ class CoreClient:
             raise ValueError(f"{self.name} could not start: {info}")
         return info
 
-    def _died_loading(self) -> RuntimeError:
+    def _died_loading(self) -> "EngineDeadError":
         self.proc.join(timeout=10)
-        return RuntimeError(f"{self.name} exited with code {self.proc.exitcode} while loading")
+        return EngineDeadError(f"{self.name} exited with code {self.proc.exitcode} while loading")
 
     def start(self, on_message):
         """`on_message(msg)` runs on the receiver thread for each message of the core, and last

@@ -165,6 +165,12 @@ def main(argv=None):
     except (ValueError, OSError) as e:   # OSError: any path the user gave (exists, not a directory, no access)
         print(f"asynct {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        from asynct.engine.core_client import EngineDeadError   # here: the CLI starts without torch
+        if not isinstance(e, EngineDeadError):
+            raise
+        print(f"asynct {args.command}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
