@@ -233,7 +233,7 @@ def test_an_engine_that_died_idle_gets_no_new_requests(tiny_ckpt):
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(timeout=10)
         outs = llm.generate([f"request {i}" for i in range(8)], greedy, use_tqdm=False)
-        assert [o.error for o in outs] == [None] * 8
+        assert [o.error for o in outs] == [None] * 8, [o.error for o in outs]
         assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     finally:
         llm.llm_engine.shutdown()

@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import queue
 import threading
+from multiprocessing.connection import wait as wait_for
 
 from asynct.engine.core_proc import run_engine_core
 from asynct.engine.engine_args import EngineArgs
@@ -47,7 +48,7 @@ class CoreClient:
         """The core's first report; raises ValueError with the engine's own message when it could
         not start (a bad checkpoint or option, mostly)."""
         while not self.outbox.poll(0.2):
-            if not self.proc.is_alive():
+            if self.exited:
                 raise self._died_loading()
         try:
             kind, info = self.outbox.recv()
@@ -84,7 +85,7 @@ class CoreClient:
             with contextlib.suppress(OSError):
                 self.inbox.send(("stop",))
         self.proc.join(timeout=timeout)
-        if self.proc.is_alive():
+        if not self.exited:
             self.proc.kill()
             self.proc.join(timeout=5)
         for t in self.threads:
@@ -92,7 +93,14 @@ class CoreClient:
 
     @property
     def is_alive(self) -> bool:
-        return self.proc.is_alive() and all(t.is_alive() for t in self.threads)
+        return not self.exited and all(t.is_alive() for t in self.threads)
+
+    @property
+    def exited(self) -> bool:
+        """Whether the process has ended, from its sentinel, which every thread may read:
+        `proc.is_alive()` reaps the child, and of two threads reaping it (the receiver's join and
+        a dispatcher's check) the loser sees no exit code, and a live process, ever after."""
+        return bool(wait_for([self.proc.sentinel], timeout=0))
 
     def _send_loop(self):
         """Everything queued since the last send goes as one add and one abort message."""

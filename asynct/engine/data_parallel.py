@@ -122,7 +122,7 @@ class DataParallelEngine:
     def _dispatch(self):
         # a process may have exited while idle, its exit not yet read: requests sent there would
         # fail as if it had died running them, with live engines at hand
-        live = [k for k in range(self.size) if self.dead[k] is None and self.clients[k].proc.is_alive()]
+        live = [k for k in range(self.size) if self.dead[k] is None and not self.clients[k].exited]
         # sorted, so that a shared prefix cut into shares is cut where the prompts part least
         rids = sorted(self.unassigned, key=lambda rid: self.requests[rid].out.prompt_token_ids)
         self.unassigned = []
@@ -188,7 +188,7 @@ class DataParallelEngine:
     def _check_alive(self):
         """A backstop for an exit whose message is lost: a process gone with requests on it."""
         for k, c in enumerate(self.clients):
-            if self.dead[k] is None and not c.proc.is_alive() and not c.threads[1].is_alive():
+            if self.dead[k] is None and c.exited and not c.threads[1].is_alive():
                 self._engine_died(k, c.proc.exitcode)
 
     def _finish(self, rid: str):
