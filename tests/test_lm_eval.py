@@ -319,3 +319,14 @@ def test_decode_graphs_wait_for_a_generate_unless_asked(engine_lm):
     assert engine_lm.llm.llm_engine.args.lazy_decode_graphs is True
     lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", lazy_decode_graphs="false", num_kv_blocks=8)
     assert lm.llm.llm_engine.args.lazy_decode_graphs is False
+
+
+def test_generate_until_skips_empty_stop_strings(engine_lm):
+    """An empty `until` string (a task's [""], or the EOS of a tokenizer that decodes it to "") is
+    no stop, as lm-eval's post-processing skips it; the engine refused it and failed the run."""
+    from lm_eval.api.instance import Instance
+    q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
+    reqs = [Instance("generate_until", {}, (q, {"until": until, "max_gen_toks": 12}), 0)
+            for until in (["", "\n"], ["\n"])]
+    empty, plain = engine_lm.generate_until(reqs, disable_tqdm=True)
+    assert empty == plain == " 3 + 4 = 7"

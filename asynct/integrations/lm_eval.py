@@ -131,7 +131,10 @@ class AsyncTLM(TemplateLM):
             extra["temperature"] = 0.0
         if extra.get("top_k") == -1:
             extra["top_k"] = 0
-        return SamplingParams(max_tokens=max_gen, stop=until, **extra), until, max_gen
+        # an empty stop string (a task's [""], or an EOS that decodes to "") is no stop: lm-eval's
+        # post-processing skips it, and the engine refuses it, which failed the whole run
+        stop = [s for s in until if s]
+        return SamplingParams(max_tokens=max_gen, stop=stop, **extra), until, max_gen
 
     # ---- loglikelihood ------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
