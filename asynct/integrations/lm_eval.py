@@ -126,6 +126,7 @@ class AsyncTLM(TemplateLM):
         kw = normalize_gen_kwargs(dict(gen_kwargs), default_max_gen_toks=self.max_gen_toks)
         until = handle_stop_sequences(kw.pop("until", None), eos=eos)
         max_gen = int(kw.pop("max_gen_toks"))
+        _refuse_unsupported(kw)
         extra = {k: kw[k] for k in _SAMPLING_KEYS if kw.get(k) is not None}
         if not kw.get("do_sample"):
             extra["temperature"] = 0.0
@@ -199,6 +200,17 @@ class AsyncTLM(TemplateLM):
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outs)} engine requests failed; first: {failed[0]}")
         return outs
+
+
+def _refuse_unsupported(kw: dict):
+    """gen_kwargs the engine has no knob for (repetition_penalty, num_beams=4, ...) were dropped,
+    and the run scored plain sampling as if they had been applied (lm-eval's hf backend applies
+    them, its vllm backend refuses them): refused before anything runs. num_beams=1 is greedy."""
+    unsupported = sorted(k for k, v in kw.items()
+                         if k not in (*_SAMPLING_KEYS, "do_sample") and not (k == "num_beams" and v == 1))
+    if unsupported:
+        raise ValueError(f"gen_kwargs {', '.join(unsupported)} not supported by the asynct engine; it takes "
+                         f"until, max_gen_toks, do_sample, {', '.join(_SAMPLING_KEYS)}")
 
 
 def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
