@@ -347,3 +347,15 @@ def test_generate_until_refuses_gen_kwargs_it_cannot_apply(engine_lm):
             engine_lm.generate_until([req(), req(**bad)], disable_tqdm=True)
     assert engine_lm.prompt_tokens["total"] == before
     assert engine_lm.generate_until([req(num_beams=1, do_sample=False)], disable_tqdm=True) == [" 3 + 4 = 7"]
+
+
+def test_eval_cli_bad_model_args_are_one_line(capsys):
+    """An unknown model_args option was a TypeError traceback, and a value of the wrong type a
+    bare "invalid literal for int()" naming no option; both are one error line naming it."""
+    assert eval_cli("--model_args", f"pretrained={MODEL},max_num_seq=8", "--tasks", "tiny_gsm", "--limit", 1) == 2
+    err = capsys.readouterr().err
+    assert "unknown asynct model_args option 'max_num_seq'" in err and "max_num_seqs" in err
+    assert "Traceback" not in err
+    assert eval_cli("--model_args", f"pretrained={MODEL},max_num_seqs=many", "--tasks", "tiny_gsm", "--limit", 1) == 2
+    err = capsys.readouterr().err
+    assert "max_num_seqs='many'" in err and "Traceback" not in err

@@ -265,19 +265,24 @@ def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
 
 def _engine_args(kw: dict) -> dict:
     """model_args arrive as strings from the command line ("max_num_seqs=64"): coerce them to
-    the engine's field types, and drop lm-eval's own knobs that mean nothing here."""
+    the engine's field types, and drop lm-eval's own knobs that mean nothing here. A bad option
+    is a ValueError, which `asynct eval` prints as one line (a TypeError was a traceback)."""
     from dataclasses import fields
 
     from asynct.engine.engine_args import EngineArgs
-    types = {f.name: f.default for f in fields(EngineArgs)}
+    types = {f.name: f.default for f in fields(EngineArgs) if f.name != "model"}
     out = {}
     for k, v in kw.items():
         if k in ("device", "dtype") and v in (None, "", "auto"):
             out[k] = None if k == "device" else "auto"
-        elif k in types and k != "model":
-            out[k] = _coerce(v, types[k])
+        elif k in types:
+            try:
+                out[k] = _coerce(v, types[k])
+            except ValueError:
+                raise ValueError(f"asynct model_args option {k}={v!r}: not a {type(types[k]).__name__}") from None
         elif k not in ("trust_remote_code", "parallelize", "max_batch_size"):
-            raise TypeError(f"unknown asynct model_args option {k!r}; engine options: {sorted(types)}")
+            raise ValueError(f"unknown asynct model_args option {k!r}; options: pretrained, max_gen_toks, "
+                             f"max_length, prefix_token_id, and the engine's {', '.join(sorted(types))}")
     return out
 
 
