@@ -31,3 +31,12 @@ def test_seed_ablation_runs(tiny_ckpt):
     assert r.returncode == 0, r.stderr[-2000:]
     for stage in ("per-request Python loop", "padded batch", "length-bucketed", "vectorised gather"):
         assert stage in r.stdout
+
+
+def test_bench_refuses_a_workload_whose_requests_failed(tiny_ckpt, capsys):
+    """Prompts past max_model_len failed in the engine with a log line, and the row still
+    reported every request and a token rate over the rest; now the run stops and says so."""
+    assert main(["bench", "--model", str(tiny_ckpt), "--workloads", "throughput", "--scale", "0.02",
+                 "--max-model-len", "16", "--no-warmup"]) == 2
+    err = capsys.readouterr().err
+    assert "requests failed" in err and "max_model_len=16" in err and "--max-model-len" in err

@@ -70,12 +70,22 @@ def run_engine(llm, requests, progress: bool = False) -> dict:
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], [sp for _, sp in requests],
                         use_tqdm=progress)
     wall = _now(engine.device) - t0
+    _refuse_failed(outs)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prefill = engine.stats["prompt_tokens"] - before["prompt_tokens"]
     log, engine.step_log = engine.step_log, None
     return {"wall_s": wall, "requests": len(requests), "output_tokens": out_tokens,
             "output_tok_s": out_tokens / wall, "prefill_tokens": prefill, "prefill_tok_s": prefill / wall,
             "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs), "step_log": log}
+
+
+def _refuse_failed(outs):
+    """A request the engine refused (a prompt past max_model_len) comes back as an error output:
+    its row reported the workload's request count and a rate over what was left of it."""
+    failed = [o.error for o in outs if o.error]
+    if failed:
+        raise ValueError(f"{len(failed)} of {len(outs)} requests failed, first: {failed[0]} (the workloads' "
+                         "lengths scale with --scale: lower it, or raise --max-model-len)")
 
 
 def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
