@@ -40,3 +40,11 @@ def test_bench_refuses_a_workload_whose_requests_failed(tiny_ckpt, capsys):
                  "--max-model-len", "16", "--no-warmup"]) == 2
     err = capsys.readouterr().err
     assert "requests failed" in err and "max_model_len=16" in err and "--max-model-len" in err
+
+
+def test_bench_refuses_options_it_would_ignore(tiny_ckpt, capsys):
+    """--preset beside --model, and --hf-requests without --compare hf, were taken and did nothing."""
+    assert main(["bench", "--model", str(tiny_ckpt), "--preset", "small", "--workloads", "latency"]) == 2
+    assert "--preset" in capsys.readouterr().err
+    assert main(["bench", "--model", str(tiny_ckpt), "--hf-requests", "8", "--workloads", "latency"]) == 2
+    assert "--compare hf" in capsys.readouterr().err

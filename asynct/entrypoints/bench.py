@@ -208,8 +208,8 @@ def add_parser(sub):
                    help=f"comma-separated, of {', '.join(WORKLOADS)}")
     p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
     p.add_argument("--compare", choices=["hf"], default=None, help="also time the reference model's generate")
-    p.add_argument("--hf-requests", type=int, default=512,
-                   help="most requests in the HF run: one batch of the largest size that fits")
+    p.add_argument("--hf-requests", type=int, default=None,
+                   help="most requests in the HF run (default 512): one batch of the largest size that fits")
     p.add_argument("--breakdown", action="store_true",
                    help="per step kind: steps, wall, device and host time, Triton compiles")
     p.add_argument("--no-warmup", action="store_true",
@@ -231,6 +231,7 @@ def workload_names(s: str) -> list[str]:
 def cmd_bench(a):
     if a.data_parallel_size != 1:   # its step log and roofline read one in-process engine
         raise SystemExit("asynct bench times one engine; for data parallel run benchmarks/dp_bench.py")
+    _refuse_ignored(a)
     import torch
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if a.model:
@@ -239,6 +240,14 @@ def cmd_bench(a):
     from asynct.model.checkpoint import make_checkpoint
     with tempfile.TemporaryDirectory(prefix="asynct-bench-") as tmp:  # 1.2 GB for bench-0.6b
         return bench(a, make_checkpoint(preset, Path(tmp) / preset, tokenizer=False), device)
+
+
+def _refuse_ignored(a):
+    """Options that only mean something with another: each was taken and did nothing."""
+    if a.model and a.preset:
+        raise ValueError("--preset makes a temporary checkpoint and --model names one: give one of them")
+    if a.compare is None and a.hf_requests is not None:
+        raise ValueError("--hf-requests sizes the HF run: it needs --compare hf")
 
 
 def bench(a, model, device):
@@ -267,8 +276,9 @@ def bench(a, model, device):
         res.pop("step_log")
         row = {"workload": name, **res, **roof, "compiles": len(during.compiles) if during else None}
         if a.compare == "hf":
-            print(f"workload {name}: the reference model's generate, up to {a.hf_requests} requests", flush=True)
-            hf = run_hf(model, reqs, device, llm.llm_engine.dtype, a.hf_requests)
+            most = 512 if a.hf_requests is None else a.hf_requests
+            print(f"workload {name}: the reference model's generate, up to {most} requests", flush=True)
+            hf = run_hf(model, reqs, device, llm.llm_engine.dtype, most)
             row.update(hf_output_tok_s=hf["output_tok_s"], hf_batch=hf["batch"],
                        speedup_vs_hf=row["output_tok_s"] / hf["output_tok_s"])
         rows.append(row)
