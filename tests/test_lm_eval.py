@@ -359,3 +359,23 @@ def test_eval_cli_bad_model_args_are_one_line(capsys):
     assert eval_cli("--model_args", f"pretrained={MODEL},max_num_seqs=many", "--tasks", "tiny_gsm", "--limit", 1) == 2
     err = capsys.readouterr().err
     assert "max_num_seqs='many'" in err and "Traceback" not in err
+
+
+def test_chat_template_without_a_system_role_drops_it_as_hf(tmp_path):
+    """A chat template that raises on a system message (--system_instruction) failed the run; lm-eval's
+    hf and vllm backends render the conversation without the system message, and so does this one."""
+    from lm_eval.models.huggingface import HFLM
+
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path / "ckpt", seed=1, tokenizer=True)
+    cfg = json.loads((ckpt / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('no system role') }}{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
+                            "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    (ckpt / "tokenizer_config.json").write_text(json.dumps(cfg))
+    for f in ckpt.glob("chat_template.*"):
+        f.unlink()
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 + 2?"}]
+    lm = AsyncTLM(str(ckpt), device="cpu", num_kv_blocks=8)
+    hf = HFLM(pretrained=str(ckpt), device="cpu", batch_size=1)
+    assert lm.apply_chat_template(chat) == hf.apply_chat_template(chat) == "<|user|>2 + 2?\n<|assistant|>"

@@ -89,9 +89,19 @@ class AsyncTLM(TemplateLM):
         return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        import jinja2
+
+        def render(history):
+            return self.tokenizer.apply_chat_template(history, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            # as lm-eval's hf and vllm backends: a template that takes no system role (a
+            # --system_instruction) renders the conversation without it, rather than failing the run
+            logger.warning("Failed to apply chat template. removing the system role in chat history.")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # ---- generate_until -----------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
