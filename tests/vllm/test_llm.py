@@ -91,3 +91,21 @@ def test_bfloat16_runs(tiny_ckpt, cpu_attn_calls):
     # The first token has no bf16 history to diverge on; allow one near-tie among the prompts.
     assert sum(g[0] == w[0] for g, w in zip(got, want)) >= len(prompts) - 1
     assert stats["forwards"] > 0 and not cpu_attn_calls
+
+
+def test_checkpoint_problems_fail_the_load(tmp_path):
+    """vLLM checks no linear layer's weights, and sigma's loader took any length: a missing
+    k_proj ran with uninitialised rows, a [1] sigma was broadcast. Both fail the load, named."""
+    from safetensors.torch import load_file, save_file
+    from vllm import LLM
+
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path, seed=0)
+    tensors = load_file(ckpt / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight"]
+    tensors["model.layers.1.self_attn.sigma"] = tensors["model.layers.1.self_attn.sigma"][:1].clone()
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"(?s)missing tensor model\.layers\.0\.self_attn\.k_proj"
+                                         r".*model\.layers\.1\.self_attn\.sigma has shape \[1\]"):
+        LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64)
+    gc.collect()

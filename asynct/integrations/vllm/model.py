@@ -4,6 +4,7 @@ Loads the spec's checkpoint format as is: q/k/v and gate/up are stacked into vLL
 projections at load time, DyHT `alpha` / `weight` of shape [1] are broadcast to their channels.
 Tensor and pipeline parallel follow vLLM's Llama/Qwen3 (heads and `sigma` split across TP ranks).
 """
+import os
 from collections.abc import Iterable
 
 import torch
@@ -39,6 +40,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
 
 from asynct.integrations.vllm.backend import AsyncTAttentionBackend
+from asynct.model.checkpoint import CheckpointError, check_tensors, tensor_shapes
 from asynct.ops import dyht, reglu
 
 # checkpoint name -> (vLLM fused parameter, shard id), as in vLLM's Llama.
@@ -193,6 +195,11 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
+        # The checkpoint directory vLLM's loader reads, checked at the first load_weights: vLLM
+        # checks no linear layer's weights, so a missing q/k/v, gate/up, o_proj or lm_head
+        # tensor would leave uninitialised memory. Later calls (weight transfer) pass subsets.
+        path, fmt = vllm_config.model_config.model, vllm_config.load_config.load_format
+        self._unchecked = path if fmt in ("auto", "safetensors") and os.path.isdir(path) else None
         self.model = AsyncTModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
@@ -215,6 +222,11 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self._unchecked is not None:  # as asynct loads: one error listing every problem
+            path, self._unchecked = self._unchecked, None
+            problems = check_tensors(self.config, tensor_shapes(path))
+            if problems:
+                raise CheckpointError(path, problems)
         params = dict(self.named_parameters())
         loaded = set()
         for name, tensor in weights:
