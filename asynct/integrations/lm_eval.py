@@ -212,12 +212,17 @@ class AsyncTLM(TemplateLM):
         return outs
 
 
+# gen_kwargs values that change nothing (tasks' YAMLs spell them out): taken
+_NO_OPS = {"num_beams": 1, "repetition_penalty": 1.0}
+
+
 def _refuse_unsupported(kw: dict):
     """gen_kwargs the engine has no knob for (repetition_penalty, num_beams=4, ...) were dropped,
     and the run scored plain sampling as if they had been applied (lm-eval's hf backend applies
-    them, its vllm backend refuses them): refused before anything runs. num_beams=1 is greedy."""
+    them, its vllm backend refuses them): refused before anything runs, but for values that
+    change nothing (_NO_OPS)."""
     unsupported = sorted(k for k, v in kw.items()
-                         if k not in (*_SAMPLING_KEYS, "do_sample") and not (k == "num_beams" and v == 1))
+                         if k not in (*_SAMPLING_KEYS, "do_sample") and not (k in _NO_OPS and v == _NO_OPS[k]))
     if unsupported:
         raise ValueError(f"gen_kwargs {', '.join(unsupported)} not supported by the asynct engine; it takes "
                          f"until, max_gen_toks, do_sample, {', '.join(_SAMPLING_KEYS)}")
