@@ -86,6 +86,17 @@ def test_config_contradicting_tensors(tmp_path, tiny_ckpt):
     assert "unexpected tensor lm_head.weight" in msg and "tie_word_embeddings" in msg
 
 
+@pytest.mark.parametrize("field,value", [("asynci_relu_pre", "false"), ("asynci_pool_size", "3")])
+def test_config_values_of_the_wrong_type(tmp_path, tiny_ckpt, field, value):
+    """A string "false" for asynci_relu_pre read as true: the model ran with ReLU silently."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    cfg = {**json.loads((tiny_ckpt / "config.json").read_text()), field: value}
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"{field}='{value}'"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+
+
 def test_missing_files(tmp_path, tiny_ckpt):
     with pytest.raises(CheckpointError, match="not a directory"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "nope")
