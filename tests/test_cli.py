@@ -31,6 +31,14 @@ def test_generate_takes_token_ids(tiny_ckpt, capsys):
     assert all(len(r["token_ids"]) == 3 for r in rows)
 
 
+def test_generate_exits_1_when_a_prompt_failed(tiny_ckpt, capsys):
+    """Every prompt could fail and the command still exited 0: a script could not tell."""
+    assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,99999", "--prompt-token-ids", "1,2",
+                 "--max-tokens", "2", "--json"]) == 1
+    captured = capsys.readouterr()
+    assert "error: prompt token id 99999" in captured.err and len(captured.out.splitlines()) == 1
+
+
 def test_generate_reads_stdin_as_one_prompt(tiny_ckpt, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("Question: first line\nsecond line\n"))
     assert main(["generate", str(tiny_ckpt), "--max-tokens", "2", "--json"]) == 0

@@ -65,7 +65,8 @@ def cmd_generate(a):
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed, stop=a.stop or None)
-    for out in llm.generate(prompts, params, use_tqdm=False):
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out in outs:
         if out.error:
             print(f"error: {out.error}", file=sys.stderr)
         elif a.json:
@@ -76,6 +77,7 @@ def cmd_generate(a):
             print(out.outputs[0].text or " ".join(map(str, out.outputs[0].token_ids)))
         else:
             print(out.prompt + out.outputs[0].text)
+    return 1 if any(out.error for out in outs) else 0     # a script sees that a prompt failed
 
 
 def read_prompts(a) -> list:
@@ -161,7 +163,7 @@ def main(argv=None):
         return eval_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        args.fn(args)
+        status = args.fn(args)
     except (ValueError, OSError) as e:   # OSError: any path the user gave (exists, not a directory, no access)
         print(f"asynct {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -171,7 +173,7 @@ def main(argv=None):
             raise
         print(f"asynct {args.command}: error: {e}", file=sys.stderr)
         return 1
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":
