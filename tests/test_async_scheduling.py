@@ -47,7 +47,7 @@ def test_async_equals_sync(tiny_ckpt, setting):
     params = [mixed_params(o, eos, i) for i, o in enumerate(own)]
     got = {}
     for mode, llm in llms.items():
-        llm.llm_engine.eos_token_id = llm.llm_engine.runner.eos_token_id = eos
+        llm.llm_engine.eos_token_ids = llm.llm_engine.runner.eos_token_ids = [eos]
         got[mode] = llm.generate(prompts, params, use_tqdm=False)
         assert_all_blocks_free(llm)
     assert summary(got["async"]) == summary(got["sync"])

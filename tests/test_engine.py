@@ -207,7 +207,7 @@ def test_stop_token_text_is_left_out(gsm):
         assert by_token.text == want and by_token.token_ids[-1] == nl and by_token.stop_reason == nl
         assert gen(stop_token_ids=[nl], include_stop_str_in_output=True, **kw).text == want + "\n"
     eos_is_nl = LLM(TINY_GSM)
-    eos_is_nl.llm_engine.eos_token_id = eos_is_nl.llm_engine.runner.eos_token_id = nl
+    eos_is_nl.llm_engine.eos_token_ids = eos_is_nl.llm_engine.runner.eos_token_ids = [nl]
     for kw in (dict(), dict(stop=["never"])):
         by_eos = gen(eos_is_nl, **kw)
         assert by_eos.text == want and by_eos.token_ids[-1] == nl
@@ -436,11 +436,11 @@ def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
 POISON = -17     # a seed that marks the sequence whose sampling is made to raise
 
 
-def poisoned_sample(logits, seqs, eos_token_id=None):
+def poisoned_sample(logits, seqs, eos_token_ids=()):
     from asynct.engine.sampler import sample
     if any(s.params.seed == POISON for s in seqs):
         raise RuntimeError("injected sampling failure")
-    return sample(logits, seqs, eos_token_id)
+    return sample(logits, seqs, eos_token_ids)
 
 
 def test_sampling_failure_fails_its_request_alone(llm_shared, monkeypatch):

@@ -76,7 +76,7 @@ class LLMEngine:
         self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.config)
         # plain copies: a transformers config's attribute reads are slow on a per-token path
-        self.vocab_size, self.eos_token_id = self.config.vocab_size, self.config.eos_token_id
+        self.vocab_size, self.eos_token_ids = self.config.vocab_size, eos_ids(self.config.eos_token_id)
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
@@ -307,7 +307,7 @@ class LLMEngine:
     def _stop_reason(self, seq: Sequence, token: int):
         p = seq.params
         if seq.num_output_tokens >= p.min_tokens:
-            if token in eos_ids(self.eos_token_id) and not p.ignore_eos:
+            if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop"
             if token in p.stop_token_ids:
                 seq.stop_reason = token

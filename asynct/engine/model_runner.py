@@ -16,7 +16,7 @@ from asynct.attention.base import host_to_device
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
-from asynct.engine.sampler import sample
+from asynct.engine.sampler import eos_ids, sample
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import LaunchedStep, StepOutput, entries, logprob_tensors, to_host
 from asynct.model.engine_model import AsyncTEngineModel
@@ -49,7 +49,7 @@ class ModelRunner:
             # Triton 3.6 fails to compile the FP8 prefill for fp32 queries (a layout pass)
             raise ValueError("kv_cache_dtype='fp8' on CUDA needs a 16-bit model dtype: "
                              "pass dtype='bfloat16' or 'float16'")
-        self.eos_token_id = config.eos_token_id
+        self.eos_token_ids = eos_ids(config.eos_token_id)
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.backend = resolve_backend(attention_backend, self.device)()
@@ -251,7 +251,7 @@ class ModelRunner:
         host = {}
         if samplers:
             seqs = [batch.seqs[i] for i in samplers]
-            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_id)
+            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_ids)
             self.last_sampled = sampled
             host["tokens"] = to_host(sampled)
             host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)

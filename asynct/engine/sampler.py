@@ -47,13 +47,13 @@ def eos_ids(eos_token_id) -> list[int]:
     return list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
 
 
-def suppress_stops(logits, seqs, eos_token_id):
+def suppress_stops(logits, seqs, eos_token_ids=()):
     """Before min_tokens are out, EOS and stop tokens cannot be drawn (tokens still on the
     device count as out)."""
     rows, cols = [], []
     for i, s in enumerate(seqs):
         if s.num_sampled_tokens < s.params.min_tokens:
-            banned = list(s.params.stop_token_ids) + eos_ids(eos_token_id)
+            banned = [*s.params.stop_token_ids, *eos_token_ids]
             banned = [t for t in banned if 0 <= t < logits.shape[1]]
             rows += [i] * len(banned)
             cols += banned
@@ -64,10 +64,10 @@ def suppress_stops(logits, seqs, eos_token_id):
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_id=None) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
     """logits [R, V] of the rows that sample -> token ids [R] (on the logits' device). Greedy
     rows take the argmax of the model-dtype logits; sampling runs in fp32."""
-    logits = suppress_stops(logits, seqs, eos_token_id)
+    logits = suppress_stops(logits, seqs, eos_token_ids)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         return logits.argmax(-1)
