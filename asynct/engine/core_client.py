@@ -10,7 +10,7 @@ import threading
 from multiprocessing.connection import wait as wait_for
 
 from asynct.engine.core_proc import run_engine_core
-from asynct.engine.engine_args import EngineArgs
+from asynct.engine.engine_args import EngineArgs, resolve_device
 from asynct.engine.llm_engine import LLMEngine
 
 # every process the engine starts: the GPU machines it runs on need NVLink multicast off
@@ -153,11 +153,11 @@ def gpus_for(args: EngineArgs, size: int) -> list[str | None]:
     """The CUDA device each of `size` engines sees (one each), or None each where they run on the
     CPU; CUDA_VISIBLE_DEVICES, when set, names the devices to use."""
     import torch
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not device.startswith("cuda"):
+    device = resolve_device(args.device)
+    if device.type != "cuda":
         return [None] * size
-    if device != "cuda":
-        raise ValueError(f"device={device!r} names one GPU; with data_parallel_size={size} each engine "
+    if device.index is not None:
+        raise ValueError(f"device={args.device!r} names one GPU; with data_parallel_size={size} each engine "
                          "gets its own: give device='cuda' (and CUDA_VISIBLE_DEVICES to choose them)")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     ids = [d.strip() for d in visible.split(",") if d.strip()] if visible is not None \

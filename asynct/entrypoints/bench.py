@@ -232,8 +232,8 @@ def cmd_bench(a):
     if a.data_parallel_size != 1:   # its step log and roofline read one in-process engine
         raise SystemExit("asynct bench times one engine; for data parallel run benchmarks/dp_bench.py")
     _refuse_ignored(a)
-    import torch
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    from asynct.engine.engine_args import resolve_device
+    device = resolve_device(a.device)
     if a.model:
         return bench(a, a.model, device)
     preset = a.preset or ("bench-0.6b" if device.type == "cuda" else "tiny")
