@@ -269,13 +269,14 @@ def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
     limit = max_model_len - 2
     if not max_length:
         return limit, limit
-    if not 1 <= int(max_length) <= max_model_len:
+    n = int(max_length)
+    if not 1 <= n <= max_model_len:
         raise ValueError(f"max_length={max_length} does not fit max_model_len={max_model_len} (lower "
                          f"max_length, or raise max_model_len)")
-    if int(max_length) > limit:
+    if n > limit:
         logger.warning("loglikelihood windows are %d tokens (max_model_len=%d less the 2 the engine needs), "
                        "not max_length=%s", limit, max_model_len, max_length)
-    return int(max_length), min(int(max_length), limit)
+    return n, min(n, limit)
 
 
 def _engine_args(kw: dict) -> dict:
