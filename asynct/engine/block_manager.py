@@ -1,4 +1,6 @@
 """KV-cache blocks: reference counts and prefix caching by chained hashes of full blocks."""
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from asynct.engine.sequence import Sequence
@@ -8,12 +10,19 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = -1
+        self.hash = NO_HASH
         self.token_ids: tuple = ()
 
 
-def chain_hash(prev_hash: int, token_ids) -> int:
-    return hash((prev_hash, tuple(token_ids)))
+NO_HASH = b""   # the key before a sequence's first block, and a block holding no cached prefix
+
+
+def chain_hash(prev_hash: bytes, token_ids) -> bytes:
+    """SHA-256 of the previous block's key and this block's tokens. A block is served by its own
+    tokens and this key of everything before it, so a collision would hand one prompt another's
+    KV: Python's 64-bit tuple hash can be forced to collide (ints are reduced mod 2**61 - 1), a
+    256-bit digest cannot."""
+    return hashlib.sha256(prev_hash + array("q", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -23,7 +32,7 @@ class BlockManager:
         # an insertion-ordered set: O(1) removal of a cached block that gets reused, and the
         # oldest freed block is taken first, so recently freed prefixes stay cached longest
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.hash_to_block_id: dict[int, int] = {}
+        self.hash_to_block_id: dict[bytes, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.num_queries = self.num_hits = 0      # prefix-cache hit rate, in blocks
 
@@ -38,12 +47,12 @@ class BlockManager:
     def _take_free_block(self) -> Block:
         bid, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[bid]
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block.block_id:
+        if block.hash and self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]   # evict the cached contents it held
-        block.hash, block.token_ids, block.ref_count = -1, (), 1
+        block.hash, block.token_ids, block.ref_count = NO_HASH, (), 1
         return block
 
-    def _cached_block(self, h: int, token_ids) -> Block | None:
+    def _cached_block(self, h: bytes, token_ids) -> Block | None:
         bid = self.hash_to_block_id.get(h)
         if bid is None or self.blocks[bid].token_ids != tuple(token_ids):
             return None
@@ -53,7 +62,7 @@ class BlockManager:
         """Cached full blocks of the prompt's cacheable tokens (Sequence.num_cacheable_tokens)."""
         if not self.enable_prefix_caching:
             return []
-        hits, h = [], -1
+        hits, h = [], NO_HASH
         for i in range(seq.num_cacheable_tokens // self.block_size):
             h = chain_hash(h, seq.block(i))
             block = self._cached_block(h, seq.block(i))
@@ -97,10 +106,10 @@ class BlockManager:
             return
         known = min(seq.num_computed_tokens, len(seq))   # tokens still on the device wait
         for i in range(len(seq.block_hashes), known // self.block_size):
-            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else -1, seq.block(i))
+            h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else NO_HASH, seq.block(i))
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
-            if block.hash == -1:
+            if not block.hash:
                 block.hash, block.token_ids = h, tuple(seq.block(i))
                 self.hash_to_block_id.setdefault(h, block.block_id)
 

@@ -12,7 +12,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from asynct.engine.block_manager import chain_hash
+from asynct.engine.block_manager import NO_HASH, chain_hash
 from asynct.engine.core_client import start_engines
 from asynct.engine.core_proc import apply_delta
 from asynct.engine.detokenizer import Detokenizer
@@ -204,13 +204,13 @@ class DataParallelEngine:
         self._finish(rid)
 
 
-def prefix_keys(ids: list[int], block_size: int) -> list[int]:
+def prefix_keys(ids: list[int], block_size: int) -> list[bytes]:
     """One key per full KV block of the prompt (what the engine's prefix cache holds once the
     prompt has run, its last block too when the prompt fills it), the j-th naming the prompt's
     first j blocks: the block manager's own chain hashes, so prompts share a key exactly where
     they share their blocks. A lookup may match a block that the prompt's own last token keeps
     from being served; the engine holding it holds all the blocks before it."""
-    keys, h = [], -1
+    keys, h = [], NO_HASH
     for j in range(len(ids) // block_size):
         h = chain_hash(h, ids[j * block_size:(j + 1) * block_size])
         keys.append(h)

@@ -20,7 +20,7 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []   # chained hashes of the full blocks computed so far
+        self.block_hashes: list[bytes] = []   # chained hashes of the full blocks computed so far
         self.num_computed_tokens = 0      # tokens whose K/V are in the cache (or queued to be)
         self.num_cached_tokens = 0        # of those, how many came from the prefix cache
         # async scheduling: tokens sampled on the device that the host has not seen yet (at most

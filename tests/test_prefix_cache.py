@@ -1,0 +1,43 @@
+"""The prefix cache's keys: a block is served only after exactly the same tokens before it."""
+from asynct.engine.block_manager import BlockManager, chain_hash
+from asynct.engine.sampling_params import SamplingParams
+from asynct.engine.sequence import Sequence
+
+BS = 4
+
+
+def run_prompt(bm: BlockManager, seq_id: int, tokens: list[int]) -> Sequence:
+    """Schedules a prompt as the engine does (prefix hits, then fresh blocks), computes it and
+    publishes its full blocks; returns it still holding them."""
+    seq = Sequence(seq_id, str(seq_id), 0, tokens, SamplingParams(max_tokens=1), BS)
+    hits = bm.match_prefix(seq)
+    bm.allocate(seq, len(tokens) - len(hits) * BS, hits)
+    seq.num_computed_tokens = len(tokens)
+    bm.commit_full_blocks(seq)
+    return seq
+
+
+def test_blocks_after_different_tokens_are_not_shared():
+    # Two first blocks whose Python hashes are equal (ints are hashed mod 2**61 - 1): with the
+    # 64-bit tuple hash as the chain key, B's second block matched A's, computed after other
+    # tokens. Such pairs can be searched for within a vocabulary too; a SHA-256 chain cannot.
+    a_first, b_first = [1, 2, 3, 4], [1, 2, 3, 4 + 2**61 - 1]
+    assert hash(tuple(a_first)) == hash(tuple(b_first))
+    shared_block, last = [9, 9, 9, 9], [5]
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    run_prompt(bm, 0, b_first + last)                      # B's first block cached first
+    a = run_prompt(bm, 1, a_first + shared_block + last)
+    b = Sequence(2, "2", 0, b_first + shared_block + last, SamplingParams(max_tokens=1), BS)
+    hits = bm.match_prefix(b)
+    assert len(hits) == 1 and a.block_table[1] not in [h.block_id for h in hits]
+
+
+def test_identical_prefixes_share_blocks_and_keys_chain():
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    tokens = list(range(3 * BS)) + [7]
+    first = run_prompt(bm, 0, tokens)
+    again = Sequence(1, "1", 0, tokens, SamplingParams(max_tokens=1), BS)
+    assert [h.block_id for h in bm.match_prefix(again)] == first.block_table[:3]
+    k0 = chain_hash(b"", tokens[:BS])
+    assert first.block_hashes[:2] == [k0, chain_hash(k0, tokens[BS:2 * BS])]
+    assert chain_hash(b"", [0] * BS) != chain_hash(chain_hash(b"", [0] * BS), [0] * BS)
