@@ -20,9 +20,11 @@ def _filter_top_k_top_p_min_p(logits, seqs):
     ranks = torch.arange(logits.shape[1], device=dev)[None]
     drop = ranks >= host_to_device(top_k, torch.long, dev)[:, None]
     probs = sorted_logits.softmax(-1)
-    before = probs.cumsum(-1) - probs                          # mass strictly before each token
-    drop |= before >= host_to_device(top_p, probs.dtype, dev)[:, None]
     drop |= probs < host_to_device(min_p, probs.dtype, dev)[:, None] * probs[:, :1]
+    # as vLLM: the nucleus is taken from what top-k and min-p leave, renormalised
+    kept = probs.masked_fill(drop, 0)
+    before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)   # mass strictly before each token
+    drop |= before >= host_to_device(top_p, probs.dtype, dev)[:, None]
     drop[:, 0] = False                                         # the top token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
