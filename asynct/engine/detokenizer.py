@@ -5,6 +5,10 @@ from pathlib import Path
 from asynct.engine.outputs import Logprob
 from asynct.engine.sequence import Sequence
 
+# prompt tokens decoded before the output, as vLLM's detokenizer: a decoder that drops the
+# leading space of a text's first word (SentencePiece's) must not drop the first output word's
+CONTEXT_TOKENS = 5
+
 
 class Detokenizer:
     def __init__(self, tokenizer):
@@ -43,6 +47,20 @@ class Detokenizer:
     def _slow_decode(self, ids, skip_special_tokens=True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def context_start(self, seq: Sequence) -> int:
+        """Where decoding starts: a few prompt tokens before the output; at the output where
+        those end in an unfinished character (output bytes finishing it would be lost in it)."""
+        n = seq.num_prompt_tokens
+        start = max(0, n - CONTEXT_TOKENS)
+        tail = self.decode(seq.token_ids[start:n], seq.params.skip_special_tokens)
+        return n if tail.endswith("\ufffd") else start
+
+    def decode_output(self, seq: Sequence, end: int) -> str:
+        """The text of seq's tokens up to `end`, past its prompt, decoded after the prompt's context."""
+        start, skip = self.context_start(seq), seq.params.skip_special_tokens
+        context = self.decode(seq.token_ids[start:seq.num_prompt_tokens], skip)
+        return self.decode(seq.token_ids[start:end], skip)[len(context):]
+
     def annotate(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         for tid, lp in entry.items():
             if lp.decoded_token is None:
@@ -55,6 +73,8 @@ class Detokenizer:
         min_tokens tokens is not searched: generation goes on after it, so a cut there would
         lose text from the middle of the output."""
         ids, skip = seq.token_ids, seq.params.skip_special_tokens
+        if seq.detok_read_offset == seq.num_prompt_tokens:    # no text yet: start in the prompt
+            seq.detok_prefix_offset = self.context_start(seq)
         prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], skip)
         full = self.decode(ids[seq.detok_prefix_offset:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):

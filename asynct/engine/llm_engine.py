@@ -344,7 +344,7 @@ class LLMEngine:
         """The whole output decoded, where no stop string cut it. As vLLM, the stop token that
         ended it (EOS or one of stop_token_ids) is left out unless include_stop_str_in_output:
         it stays in token_ids only."""
-        ids = seq.output_token_ids
+        end = len(seq)
         if seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
-            ids = ids[:-1]
-        return self.detokenizer.decode(ids, seq.params.skip_special_tokens)
+            end -= 1
+        return self.detokenizer.decode_output(seq, end)
