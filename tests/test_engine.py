@@ -364,6 +364,17 @@ def test_text_prompt_needs_tokenizer(tmp_path):
     assert len(out[1].outputs[0].token_ids) == 3 and out[1].outputs[0].text == ""
 
 
+def test_stop_strings_without_a_tokenizer_are_a_clear_error(tmp_path):
+    """No tokenizer, no text to search: stop strings were ignored and generation ran to max_tokens."""
+    from asynct.model.checkpoint import make_checkpoint
+    llm = LLM(make_checkpoint("tiny", tmp_path, tokenizer=False))
+    prompt = {"prompt_token_ids": [1, 2]}
+    out = llm.generate(prompt, SamplingParams(max_tokens=3, stop=["a"]), use_tqdm=False)[0]
+    assert "stop strings need a tokenizer" in out.error
+    by_token = llm.generate(prompt, SamplingParams(max_tokens=3, stop_token_ids=[0]), use_tqdm=False)[0]
+    assert by_token.error is None and by_token.outputs[0].finish_reason is not None
+
+
 def test_bf16_engine_keeps_fp32_rope_and_norms(tiny_ckpt, reference):
     llm = LLM(tiny_ckpt, dtype="bfloat16")
     model = llm.llm_engine.runner.model

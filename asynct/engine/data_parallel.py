@@ -17,7 +17,7 @@ from asynct.engine.core_client import start_engines
 from asynct.engine.core_proc import apply_delta
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs
-from asynct.engine.inputs import check_prompt, tokenize
+from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize
 from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
@@ -70,6 +70,7 @@ class DataParallelEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = tokenize(self.detokenizer, prompt)
         check_prompt(ids, params, self.vocab_size, self.max_model_len)
+        check_stop_strings(self.detokenizer, params)
         self.requests[request_id] = _Request(RequestOutput(request_id, text, ids, None, [], False), params,
                                              self._work(ids, params))
         self.unassigned.append(request_id)

@@ -20,6 +20,13 @@ def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[
     return None, ids
 
 
+def check_stop_strings(detokenizer: Detokenizer | None, params: SamplingParams):
+    """Stop strings are searched for in the output's text: without a tokenizer there is none,
+    and they would be ignored silently (generation running on to max_tokens)."""
+    if params.stop_list and detokenizer is None:
+        raise ValueError("stop strings need a tokenizer and this checkpoint has none: use stop_token_ids")
+
+
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
     """Raises ValueError naming what is wrong with a tokenized prompt or with sampling values
     that do not fit this model (also run by the server's front end, which holds no engine)."""

@@ -9,7 +9,7 @@ import torch
 from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
-from asynct.engine.inputs import check_prompt, tokenize
+from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampler import eos_ids
@@ -150,6 +150,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
         self.check_prompt(ids, params)
+        check_stop_strings(self.detokenizer, params)
         req = Request(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, ids, params, self.args.block_size)
