@@ -381,3 +381,23 @@ def test_chat_template_without_a_system_role_drops_it_as_hf(tmp_path):
     lm = AsyncTLM(str(ckpt), device="cpu", num_kv_blocks=8)
     hf = HFLM(pretrained=str(ckpt), device="cpu", batch_size=1)
     assert lm.apply_chat_template(chat) == hf.apply_chat_template(chat) == "<|user|>2 + 2?\n<|assistant|>"
+
+
+def test_sampled_generations_repeat_under_the_same_seed():
+    """The engine was unseeded unless model_args named a seed: a sampled run drew from whatever
+    torch state the process was in (in an engine process, none that lm-eval's --seed set), and
+    two runs with the same settings gave different texts. As lm-eval's vllm backend, model_args
+    `seed` (default 1234) seeds the engine: the same seed gives the same texts, another seed others."""
+    from lm_eval.api.instance import Instance
+    questions = [f"Question: Tom has {a} apples and buys {a + 4} more. How many apples does Tom have now?\nAnswer:"
+                 for a in range(3, 6)]
+    reqs = [Instance("generate_until", {}, (q, {"until": ["\n\n"], "max_gen_toks": 16, "do_sample": True,
+                                                "temperature": 3.0}), 0) for q in questions]
+
+    def run(**kw):
+        lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", num_kv_blocks=32, **kw)
+        assert lm.llm.llm_engine.args.seed == kw.get("seed", 1234)
+        return lm.generate_until(reqs, disable_tqdm=True)
+    first = run()
+    assert run() == first
+    assert run(seed=7) != first

@@ -37,15 +37,20 @@ _SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens"
 @register_model("asynct")
 class AsyncTLM(TemplateLM):
     _DEFAULT_MAX_GEN_TOKS = 256
+    _DEFAULT_SEED = 1234   # lm-eval's vllm backend's default seed
     latest: "AsyncTLM | None" = None  # the last one made: `asynct eval` reports its timings
 
     def __init__(self, pretrained: str, batch_size=None, max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
-                 max_length: int | None = None, prefix_token_id: int | None = None, **engine_kwargs):
+                 max_length: int | None = None, prefix_token_id: int | None = None, seed: int | None = _DEFAULT_SEED,
+                 **engine_kwargs):
         super().__init__()
         from asynct import LLM
         t0 = time.perf_counter()
-        # decode graphs wait for a first generate: loglikelihood tasks never decode
-        self.llm = LLM(str(pretrained), **{"lazy_decode_graphs": True, **_engine_args(engine_kwargs)})
+        # decode graphs wait for a first generate: loglikelihood tasks never decode. The engine is
+        # seeded from model_args, as lm-eval's vllm backend seeds vLLM's: unseeded, sampling drew
+        # from whatever torch state the process had (none that --seed set in an engine process)
+        self.llm = LLM(str(pretrained), **{"lazy_decode_graphs": True,
+                                           **_engine_args({"seed": seed, **engine_kwargs})})
         self.timings = {"load": time.perf_counter() - t0, "engine": 0.0}
         self.prompt_tokens = {"total": 0, "cached": 0}   # the cached ones were not computed
         self.tokenizer = self.llm.get_tokenizer()
