@@ -36,7 +36,18 @@ def test_generate_exits_1_when_a_prompt_failed(tiny_ckpt, capsys):
     assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,99999", "--prompt-token-ids", "1,2",
                  "--max-tokens", "2", "--json"]) == 1
     captured = capsys.readouterr()
-    assert "error: prompt token id 99999" in captured.err and len(captured.out.splitlines()) == 1
+    assert "prompt token id 99999" in captured.err and len(captured.out.splitlines()) == 1
+
+
+def test_generate_says_a_failed_prompts_error_once(tiny_ckpt, capsys, caplog):
+    """A failed prompt's error came twice: the engine's log line, under a request id, and the
+    command's own line, naming no prompt. One line now says which prompt failed and why; the
+    exit code stays 1."""
+    assert main(["generate", str(tiny_ckpt), "--prompt", "Hi", "--prompt-token-ids", "1,99999",
+                 "--prompt-token-ids", "1,2", "--max-tokens", "2"]) == 1
+    assert not [r for r in caplog.records if "99999" in r.getMessage()]
+    assert capsys.readouterr().err == ("error: prompt 2 (token ids 1,99999): prompt token id 99999 is outside "
+                                       "the vocabulary (size 259)\n")
 
 
 def test_generate_reads_stdin_as_one_prompt(tiny_ckpt, capsys, monkeypatch):

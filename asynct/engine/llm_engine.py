@@ -19,6 +19,9 @@ from asynct.engine.sequence import Sequence
 from asynct.model.checkpoint import prepare_config_for_load
 
 log = logging.getLogger("asynct")
+# marks the log record of one request's failure (its request id), which its RequestOutput.error
+# also says: a caller that reports failed requests itself filters these out
+FAILED_REQUEST = "failed_request"
 
 
 def startup_text(seconds: dict) -> str:
@@ -262,7 +265,8 @@ class LLMEngine:
 
     @staticmethod
     def _failure(seq: Sequence, e: Exception) -> str:
-        log.error("request %s failed: %s: %s", seq.request_id, type(e).__name__, e)
+        log.error("request %s failed: %s: %s", seq.request_id, type(e).__name__, e,
+                  extra={FAILED_REQUEST: seq.request_id})
         return f"engine error in this request: {type(e).__name__}: {e}"
 
     def _fail_request(self, req: Request, message: str) -> RequestOutput:

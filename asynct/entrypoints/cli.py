@@ -4,7 +4,9 @@ Only argparse and plain data are imported to build the parser, so `asynct --help
 errors come back at once; each command imports what it needs when it runs."""
 import argparse
 import json
+import logging
 import sys
+from contextlib import contextmanager
 
 from asynct.presets import PRESETS
 
@@ -65,10 +67,11 @@ def cmd_generate(a):
     llm = LLM(a.model, **engine_kwargs(a))
     params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
                             seed=a.seed, stop=a.stop or None)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for out in outs:
+    with _quiet_request_failures():
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for i, out in enumerate(outs, 1):
         if out.error:
-            print(f"error: {out.error}", file=sys.stderr)
+            print(f"error: {_prompt_label(i, out)}: {out.error}", file=sys.stderr)
         elif a.json:
             print(json.dumps({"prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
                               "text": out.outputs[0].text, "token_ids": list(out.outputs[0].token_ids),
@@ -78,6 +81,28 @@ def cmd_generate(a):
         else:
             print(out.prompt + out.outputs[0].text)
     return 1 if any(out.error for out in outs) else 0     # a script sees that a prompt failed
+
+
+@contextmanager
+def _quiet_request_failures():
+    """The engine logs a failed request under its request id, and the command then said the
+    same again: here only the command's line, which names the prompt, says it."""
+    from asynct.engine.llm_engine import FAILED_REQUEST
+    logger = logging.getLogger("asynct")
+
+    def quiet(record: logging.LogRecord) -> bool:
+        return not hasattr(record, FAILED_REQUEST)
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _prompt_label(i: int, out) -> str:
+    """A prompt as the user can find it: its place among the outputs and its start."""
+    shown = repr(out.prompt) if out.prompt is not None else "token ids " + ",".join(map(str, out.prompt_token_ids))
+    return f"prompt {i} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
 
 
 def read_prompts(a) -> list:

@@ -6,7 +6,7 @@ from dataclasses import fields
 from tqdm.auto import tqdm
 
 from asynct.engine.engine_args import EngineArgs
-from asynct.engine.llm_engine import LLMEngine
+from asynct.engine.llm_engine import FAILED_REQUEST, LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ class LLM:
             try:
                 self.llm_engine.add_request(rid, _prompt_input(prompt), p or SamplingParams())
             except ValueError as e:
-                log.warning("request %s failed: %s", rid, e)
+                log.warning("request %s failed: %s", rid, e, extra={FAILED_REQUEST: rid})
                 results[rid] = _error_output(rid, prompt, str(e))
         try:
             self._run(results, len(prompts), use_tqdm)
