@@ -109,3 +109,13 @@ def test_missing_files(tmp_path, tiny_ckpt):
     (tmp_path / "empty" / "config.json").write_text(json.dumps(bad))
     with pytest.raises(CheckpointError, match="hidden_size"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
+def test_invalid_json_names_its_file(tmp_path, tiny_ckpt, name):
+    """json's own JSONDecodeError came out, naming neither the file nor the checkpoint."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    (tmp_path / "ck" / name).write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"{name} is not valid JSON"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")

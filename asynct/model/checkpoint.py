@@ -23,10 +23,18 @@ class CheckpointError(ValueError):
         super().__init__(f"checkpoint {path} has {len(self.problems)} problem(s):\n{lines}")
 
 
+def read_json(path, name: str):
+    """A checkpoint's JSON file; json's own error named neither the file nor the checkpoint."""
+    try:
+        return json.loads((Path(path) / name).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(path, [f"{name} is not valid JSON: {e}"]) from None
+
+
 def safetensors_files(path) -> list[Path]:
     path = Path(path)
     if (path / INDEX_FILE).exists():
-        index = json.loads((path / INDEX_FILE).read_text())
+        index = read_json(path, INDEX_FILE)
         return [path / f for f in sorted(set(index["weight_map"].values()))]
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
@@ -114,7 +122,7 @@ def load_config(path) -> AsyncTConfig:
     cfg_file = path / "config.json"
     if not cfg_file.exists():
         raise CheckpointError(path, ["config.json is missing"])
-    raw = json.loads(cfg_file.read_text())
+    raw = read_json(path, "config.json")
     if raw.get("model_type") != "asynct":
         raise CheckpointError(path, [f"config.json model_type is {raw.get('model_type')!r}, expected 'asynct'"])
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
