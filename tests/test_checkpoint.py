@@ -119,3 +119,13 @@ def test_invalid_json_names_its_file(tmp_path, tiny_ckpt, name):
     (tmp_path / "ck" / name).write_text("{not json")
     with pytest.raises(CheckpointError, match=f"{name} is not valid JSON"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("index", ['{"metadata": {}}', "[]", '{"weight_map": ["model.safetensors"]}'])
+def test_index_without_a_weight_map(tmp_path, tiny_ckpt, index):
+    """An index without a weight_map object raised a bare KeyError or AttributeError."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    (tmp_path / "ck" / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json has no weight_map"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")

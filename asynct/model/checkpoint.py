@@ -35,7 +35,10 @@ def safetensors_files(path) -> list[Path]:
     path = Path(path)
     if (path / INDEX_FILE).exists():
         index = read_json(path, INDEX_FILE)
-        return [path / f for f in sorted(set(index["weight_map"].values()))]
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):   # a KeyError or AttributeError came from here
+            raise CheckpointError(path, [f"{INDEX_FILE} has no weight_map object (tensor name -> shard file)"])
+        return [path / f for f in sorted(set(weight_map.values()))]
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
     raise CheckpointError(path, [f"no {SINGLE_FILE} or {INDEX_FILE} found"])
