@@ -129,3 +129,14 @@ def test_index_without_a_weight_map(tmp_path, tiny_ckpt, index):
     (tmp_path / "ck" / "model.safetensors.index.json").write_text(index)
     with pytest.raises(CheckpointError, match="model.safetensors.index.json has no weight_map"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("data", [b"", b"garbage" * 10, "truncated"])
+def test_unreadable_safetensors_names_the_file(tmp_path, tiny_ckpt, data):
+    """safetensors' own SafetensorError ("header too large") named no file."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    f = tmp_path / "ck" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-100] if data == "truncated" else data)
+    with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")

@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from asynct.config import AsyncTConfig, preset_config
@@ -50,7 +50,11 @@ def tensor_shapes(path) -> dict[str, tuple]:
     for f in safetensors_files(path):
         if not f.exists():
             raise CheckpointError(path, [f"shard {f.name} named in {INDEX_FILE} is missing"])
-        with safe_open(f, framework="pt") as sf:
+        try:
+            sf = safe_open(f, framework="pt")
+        except SafetensorError as e:   # its message ("header too large") names no file
+            raise CheckpointError(path, [f"{f.name} is not a readable safetensors file: {e}"]) from None
+        with sf:
             for name in sf.keys():
                 shapes[name] = tuple(sf.get_slice(name).get_shape())
     return shapes
