@@ -9,6 +9,22 @@ from transformers import PretrainedConfig
 from asynct.presets import PRESETS
 
 
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _is_positive_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def _default_head_dim(hidden_size, num_attention_heads):
+    """hidden_size / num_attention_heads, or None (validate_asynct names the bad one) where
+    either is no positive integer: dividing raised ZeroDivisionError or TypeError."""
+    if _is_positive_int(hidden_size) and _is_positive_int(num_attention_heads):
+        return hidden_size // num_attention_heads
+    return None
+
+
 class AsyncTConfig(PretrainedConfig):
     model_type = "asynct"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -41,7 +57,7 @@ class AsyncTConfig(PretrainedConfig):
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.head_dim = head_dim or _default_head_dim(hidden_size, num_attention_heads)
         self.max_position_embeddings = max_position_embeddings
         self.rope_theta = rope_theta
         self.attention_scale = attention_scale
@@ -88,7 +104,12 @@ class AsyncTConfig(PretrainedConfig):
         return self.num_attention_heads // self.num_key_value_heads
 
     def validate_asynct(self):
-        problems = []
+        # a size of the wrong type failed deep in loading ("arange() received an invalid
+        # combination of arguments"), a zero built an engine that takes no prompt
+        problems = [f"{name}={getattr(self, name)!r} must be a positive integer" for name in SIZE_FIELDS
+                    if not _is_positive_int(getattr(self, name))]
+        if problems:
+            raise ValueError("invalid AsyncT config: " + "; ".join(problems))
         if self.num_attention_heads % self.num_key_value_heads:
             problems.append(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                             f"num_key_value_heads={self.num_key_value_heads}")

@@ -140,3 +140,17 @@ def test_unreadable_safetensors_names_the_file(tmp_path, tiny_ckpt, data):
     f.write_bytes(f.read_bytes()[:-100] if data == "truncated" else data)
     with pytest.raises(CheckpointError, match="model.safetensors is not a readable safetensors file"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "64"), ("vocab_size", 259.0), ("num_attention_heads", 0),
+                                         ("max_position_embeddings", 0), ("num_hidden_layers", -1)])
+def test_config_sizes_must_be_positive_integers(tmp_path, tiny_ckpt, field, value):
+    """A string or float size failed deep in loading (a TypeError from torch), a zero head count
+    divided by zero, max_position_embeddings=0 built an engine that took no prompt."""
+    import re
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    cfg = {**json.loads((tiny_ckpt / "config.json").read_text()), field: value, "head_dim": None}
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=re.escape(f"{field}={value!r} must be a positive integer")):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
