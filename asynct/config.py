@@ -117,8 +117,9 @@ class AsyncTConfig(PretrainedConfig):
             problems.append(f"head_dim={self.head_dim} must be even for RoPE")
         if not isinstance(self.asynci_pool_size, int) or self.asynci_pool_size < 1:
             problems.append(f"asynci_pool_size={self.asynci_pool_size!r} must be an integer >= 1")
-        if not isinstance(self.asynci_relu_pre, bool):   # the string "false" would read as true
-            problems.append(f"asynci_relu_pre={self.asynci_relu_pre!r} must be true or false")
+        for name in ("asynci_relu_pre", "tie_word_embeddings"):   # the string "false" would read as true
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if problems:
             raise ValueError("invalid AsyncT config: " + "; ".join(problems))
 

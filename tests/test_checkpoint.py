@@ -86,9 +86,12 @@ def test_config_contradicting_tensors(tmp_path, tiny_ckpt):
     assert "unexpected tensor lm_head.weight" in msg and "tie_word_embeddings" in msg
 
 
-@pytest.mark.parametrize("field,value", [("asynci_relu_pre", "false"), ("asynci_pool_size", "3")])
+@pytest.mark.parametrize("field,value", [("asynci_relu_pre", "false"), ("asynci_pool_size", "3"),
+                                         ("tie_word_embeddings", "false")])
 def test_config_values_of_the_wrong_type(tmp_path, tiny_ckpt, field, value):
-    """A string "false" for asynci_relu_pre read as true: the model ran with ReLU silently."""
+    """A string "false" for asynci_relu_pre read as true: the model ran with ReLU silently; for
+    tie_word_embeddings it tied the output embedding to the input one (or, with lm_head.weight
+    stored, failed saying config.json says tie_word_embeddings=true)."""
     import shutil
     shutil.copytree(tiny_ckpt, tmp_path / "ck")
     cfg = {**json.loads((tiny_ckpt / "config.json").read_text()), field: value}
