@@ -25,6 +25,12 @@ def _default_head_dim(hidden_size, num_attention_heads):
     return None
 
 
+def _is_floating_dtype(dtype) -> bool:
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+
+
 class AsyncTConfig(PretrainedConfig):
     model_type = "asynct"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -65,6 +71,9 @@ class AsyncTConfig(PretrainedConfig):
         self.asynci_relu_pre = asynci_relu_pre
         self.initializer_range = initializer_range
         kwargs["dtype"] = kwargs.get("dtype") or torch_dtype or "bfloat16"
+        if not _is_floating_dtype(kwargs["dtype"]):   # transformers' getattr(torch, ...) raised AttributeError
+            raise ValueError(f"invalid AsyncT config: torch_dtype={kwargs['dtype']!r} is not a floating dtype "
+                             "(use bfloat16, float16 or float32)")
         super().__init__(
             bos_token_id=bos_token_id,
             eos_token_id=eos_token_id,

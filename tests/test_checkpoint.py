@@ -157,3 +157,15 @@ def test_config_sizes_must_be_positive_integers(tmp_path, tiny_ckpt, field, valu
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=re.escape(f"{field}={value!r} must be a positive integer")):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("dtype", ["float8", "int8"])
+def test_config_dtype_must_be_floating(tmp_path, tiny_ckpt, dtype):
+    """An unknown torch_dtype raised AttributeError from inside transformers' config; an integer
+    one loaded the weights as integers."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    cfg = {**json.loads((tiny_ckpt / "config.json").read_text()), "torch_dtype": dtype, "dtype": dtype}
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=f"torch_dtype='{dtype}' is not a floating dtype"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
