@@ -52,6 +52,13 @@ def test_sizes_below_one_are_clear_errors(tiny_ckpt, bad):
         LLM(tiny_ckpt, **bad)
 
 
+@pytest.mark.parametrize("name", ["enforce_eager", "enable_prefix_caching", "async_scheduling"])
+def test_flags_must_be_booleans(tiny_ckpt, name):
+    """A string "false" read as true: enable_prefix_caching="false" kept prefix caching on, silently."""
+    with pytest.raises(ValueError, match=f"^{name} must be True or False, got 'false'"):
+        LLM(tiny_ckpt, **{name: "false"})
+
+
 def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
     """A step admits new sequences only when admission_batch slots are free: with more than
     max_num_seqs, generate waited forever."""

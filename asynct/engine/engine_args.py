@@ -8,6 +8,7 @@ from asynct.engine.sampling_params import _is_int
 
 
 CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")
+FLAGS = ("enforce_eager", "lazy_decode_graphs", "enable_prefix_caching", "async_scheduling", "trust_remote_code")
 
 
 @dataclass
@@ -44,6 +45,9 @@ class EngineArgs:
     trust_remote_code: bool = False
 
     def __post_init__(self):
+        for name in FLAGS:   # the string "false" would read as true
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         self.cudagraph_mode = str(self.cudagraph_mode).lower()
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}; choose from {CUDAGRAPH_MODES}")
