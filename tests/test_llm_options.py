@@ -59,6 +59,13 @@ def test_flags_must_be_booleans(tiny_ckpt, name):
         LLM(tiny_ckpt, **{name: "false"})
 
 
+def test_a_torch_dtype_that_is_not_floating_is_a_clear_error(tiny_ckpt):
+    """dtype=torch.int8 raised nn.Module.to's TypeError from deep in the model runner."""
+    import torch
+    with pytest.raises(ValueError, match="dtype=torch.int8 is not a floating dtype"):
+        LLM(tiny_ckpt, dtype=torch.int8)
+
+
 def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
     """A step admits new sequences only when admission_batch slots are free: with more than
     max_num_seqs, generate waited forever."""

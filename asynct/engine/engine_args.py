@@ -105,6 +105,8 @@ def resolve_device(device: str | None) -> torch.device:
 
 def resolve_dtype(dtype, config, device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:   # nn.Module.to's TypeError came from deep in start-up
+            raise ValueError(f"dtype={dtype} is not a floating dtype; use bfloat16, float16 or float32")
         return dtype
     if dtype in (None, "auto"):
         # bf16 matmuls are slow on CPUs; there the engine computes in fp32 unless asked
