@@ -66,6 +66,14 @@ def test_a_torch_dtype_that_is_not_floating_is_a_clear_error(tiny_ckpt):
         LLM(tiny_ckpt, dtype=torch.int8)
 
 
+def test_a_tokenizer_path_without_a_tokenizer_is_a_clear_error(tiny_ckpt, tmp_path):
+    """A mistyped tokenizer= path was ignored: the engine ran without a tokenizer (text prompts
+    failed, outputs had no text) and said nothing."""
+    with pytest.raises(ValueError, match="tokenizer=.*has no tokenizer files"):
+        LLM(tiny_ckpt, tokenizer=str(tmp_path / "nope"))
+    assert LLM(tiny_ckpt, tokenizer=str(tiny_ckpt)).get_tokenizer() is not None
+
+
 def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
     """A step admits new sequences only when admission_batch slots are free: with more than
     max_num_seqs, generate waited forever."""

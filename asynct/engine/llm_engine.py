@@ -77,6 +77,9 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.config, self.device)
         self.detokenizer = Detokenizer.from_path(args.tokenizer or args.model)
+        if args.tokenizer and self.detokenizer is None:   # a mistyped path ran without a tokenizer, silently
+            raise ValueError(f"tokenizer={args.tokenizer!r} has no tokenizer files (tokenizer.json, "
+                             "tokenizer.model or vocab.json)")
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.config)
         # plain copies: a transformers config's attribute reads are slow on a per-token path
         self.vocab_size, self.eos_token_ids = self.config.vocab_size, eos_ids(self.config.eos_token_id)
