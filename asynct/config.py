@@ -17,6 +17,11 @@ def _is_positive_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
+def _is_token_ids(x) -> bool:
+    ids = x if isinstance(x, (list, tuple)) else [] if x is None else [x]
+    return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+
+
 def _default_head_dim(hidden_size, num_attention_heads):
     """hidden_size / num_attention_heads, or None (validate_asynct names the bad one) where
     either is no positive integer: dividing raised ZeroDivisionError or TypeError."""
@@ -129,6 +134,8 @@ class AsyncTConfig(PretrainedConfig):
         for name in ("asynci_relu_pre", "tie_word_embeddings"):   # the string "false" would read as true
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
+        if not _is_token_ids(self.eos_token_id):   # the string "256" matched no token: nothing stopped at EOS
+            problems.append(f"eos_token_id={self.eos_token_id!r} must be a token id, a list of them, or null")
         if problems:
             raise ValueError("invalid AsyncT config: " + "; ".join(problems))
 

@@ -87,11 +87,12 @@ def test_config_contradicting_tensors(tmp_path, tiny_ckpt):
 
 
 @pytest.mark.parametrize("field,value", [("asynci_relu_pre", "false"), ("asynci_pool_size", "3"),
-                                         ("tie_word_embeddings", "false")])
+                                         ("tie_word_embeddings", "false"), ("eos_token_id", "256")])
 def test_config_values_of_the_wrong_type(tmp_path, tiny_ckpt, field, value):
     """A string "false" for asynci_relu_pre read as true: the model ran with ReLU silently; for
     tie_word_embeddings it tied the output embedding to the input one (or, with lm_head.weight
-    stored, failed saying config.json says tie_word_embeddings=true)."""
+    stored, failed saying config.json says tie_word_embeddings=true); an eos_token_id "256"
+    matched no sampled token, so nothing stopped at EOS."""
     import shutil
     shutil.copytree(tiny_ckpt, tmp_path / "ck")
     cfg = {**json.loads((tiny_ckpt / "config.json").read_text()), field: value}

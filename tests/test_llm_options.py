@@ -40,7 +40,8 @@ def test_tensor_parallel_size_other_than_one_is_a_clear_error(tiny_ckpt):
 BAD_SIZES = [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(block_size=0), dict(block_size=-16),
              dict(max_model_len=0), dict(num_kv_blocks=-1), dict(admission_batch=0), dict(data_parallel_size=0),
              dict(max_num_seqs=True), dict(max_num_seqs=2.0), dict(gpu_memory_utilization=0),
-             dict(gpu_memory_utilization=1.5), dict(gpu_memory_utilization=float("nan"))]
+             dict(gpu_memory_utilization=1.5), dict(gpu_memory_utilization=float("nan")),
+             dict(kv_cache_memory="1G"), dict(kv_cache_memory=0)]
 
 
 @pytest.mark.parametrize("bad", BAD_SIZES, ids=[str(b) for b in BAD_SIZES])

@@ -65,7 +65,7 @@ class EngineArgs:
         """Sizes below 1 build an engine that cannot run: max_num_seqs=0 or
         max_num_batched_tokens=0 admit nothing (generate would wait forever), block_size=0
         divides by zero."""
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "kv_cache_memory"):
             if not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         for name in ("max_model_len", "num_kv_blocks", "admission_batch"):
