@@ -1,6 +1,7 @@
 """The server under load: ≥ 200 concurrent streams, a fifth of them leaving early, each of the rest
 getting exactly its text alone (greedy); then nothing running and every KV block free. Also the
-queue limit (429) and the `asynct serve` command itself."""
+queue limit (429), clients that hang up at each point of a response, and the `asynct serve`
+command itself."""
 import asyncio
 import json
 import os
@@ -125,6 +126,85 @@ def test_non_streaming_disconnect_aborts(server):
     after = wait_idle(server, timeout=3.0)
     assert after["kv_blocks_free"] == after["kv_blocks_total"] and after["num_requests_in_flight"] == 0
     assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+
+
+@pytest.fixture(scope="module")
+def asgi(tiny_ckpt):
+    """The app driven over ASGI in this thread, so that a test plays a client that leaves at an
+    exact point of the response: (app, the loop it runs on)."""
+    app = make_app(tiny_ckpt, served_model_name="tiny", log_stats_interval=None)
+    loop, life = asyncio.new_event_loop(), app.router.lifespan_context(app)
+    loop.run_until_complete(life.__aenter__())
+    yield app, loop
+    loop.run_until_complete(life.__aexit__(None, None, None))
+    loop.close()
+
+
+async def leave_at(app, path, body, message_type, stuck):
+    """POSTs `body`; the client goes away once the app writes a `message_type` message (None: at
+    once). `stuck`: that write never completes (a client that stopped reading)."""
+    data = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+             "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2)}
+    gone, sent, read = asyncio.Event(), [], False
+    if message_type is None:
+        gone.set()
+
+    async def receive():
+        nonlocal read
+        if not read:
+            read = True
+            return {"type": "http.request", "body": data, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(msg):
+        sent.append(msg["type"])
+        if msg["type"] == message_type:
+            gone.set()
+            if stuck:
+                await asyncio.Event().wait()
+
+    await app(scope, receive, send)
+    return sent
+
+
+async def engine_idle(engine, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while engine.num_in_flight or engine.snapshot["running"] or engine.snapshot["waiting"]:
+        assert time.monotonic() < deadline, "the engine still runs the request"
+        await asyncio.sleep(0.02)
+
+
+LEAVING = [  # (how the client leaves, stream, the message whose write it leaves at, that write never completes)
+    ("before the stream starts", True, "http.response.start", True),
+    ("while a chunk is written", True, "http.response.body", True),
+    ("while the next chunk is generated", True, "http.response.body", False),
+    ("during a non-streamed request", False, None, False),
+]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("how,stream,message_type,stuck", LEAVING, ids=[w[0] for w in LEAVING])
+def test_client_that_leaves_aborts_its_request(asgi, path, n, how, stream, message_type, stuck):
+    """However the client goes, its engine request is aborted, not run to max_tokens for nobody:
+    a client gone while the headers were written had its stream cancelled before the chunks'
+    generator started, whose `finally` was then never run, and the request ran on."""
+    app, loop = asgi
+    engine = app.state.ctx.engine
+    prompt = {"prompt": "nobody reads this"} if path == "/v1/completions" else \
+        {"messages": [{"role": "user", "content": "nobody reads this"}]}
+    body = {"model": "tiny", **prompt, "n": n, "max_tokens": 1000, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    aborted, generated = engine.num_aborted, engine.snapshot["generation_tokens"]
+    sent = loop.run_until_complete(leave_at(app, path, body, message_type, stuck))
+    assert (message_type or "http.response.start") in sent
+    loop.run_until_complete(engine_idle(engine))
+    assert engine.num_aborted == aborted + 1, how
+    assert engine.snapshot["generation_tokens"] - generated < 1000 * n
 
 
 def test_queue_limit_429(tiny_ckpt):

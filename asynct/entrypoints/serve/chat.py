@@ -5,12 +5,12 @@ import inspect
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.protocol import ChatCompletionRequest
-from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext, TextStream, collect,
-                                              error_body, finite, request_id, sse, usage)
+from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
+                                              collect, error_body, finite, request_id, sse, usage)
 
 
 def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None, tools=None,
@@ -60,7 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)
     if body.stream:
-        return StreamingResponse(chat.stream(handle), media_type="text/event-stream")
+        return EventStream(chat.stream(handle), handle)
     return JSONResponse(chat.response((await collect(handle, request))[0]))
 
 
@@ -100,8 +100,6 @@ class Chat:
                            "usage": usage(self.num_prompt_tokens, sum(generated.values()))})
         except EngineError as e:
             yield sse(error_body(e.status, str(e)))
-        finally:
-            handle.close()
         yield SSE_DONE
 
     def _chunk(self, c, streams, generated) -> str | None:

@@ -4,12 +4,12 @@ local-completions scores loglikelihood (max_tokens 1, logprobs 1, echo true)."""
 import time
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.protocol import CompletionRequest
-from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, ServingContext, TextStream, collect,
-                                              error_body, finite, request_id, sse, usage)
+from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
+                                              collect, error_body, finite, request_id, sse, usage)
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
@@ -27,7 +27,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     job = Completion(ctx, body, params, request_id("cmpl"), texts, ids)
     handle = ctx.submit(ids, params, stream=body.stream)
     if body.stream:
-        return StreamingResponse(job.stream(handle), media_type="text/event-stream")
+        return EventStream(job.stream(handle), handle)
     return JSONResponse(job.response(await collect(handle, request)))
 
 
@@ -93,8 +93,6 @@ class Completion:
                 yield sse({**self._head([]), "usage": usage(sum(map(len, self.ids)), sum(generated.values()))})
         except EngineError as e:
             yield sse(error_body(e.status, str(e)))
-        finally:
-            handle.close()
         yield SSE_DONE
 
     def _chunk(self, i, out, c, streams, generated) -> str | None:

@@ -8,6 +8,7 @@ import time
 import uuid
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.sampling_params import SamplingParams
@@ -171,6 +172,24 @@ async def collect(handle: RequestHandle, request: Request) -> dict:
             t.cancel()
         handle.close()
     return final
+
+
+class EventStream(StreamingResponse):
+    """A streamed response (SSE) that aborts what is unfinished of its request however it ends.
+    Its chunks' generator cannot: a client that leaves while the headers are being written has
+    the response cancelled before the generator's first step, so no line of it (`finally`
+    included) ever runs, and one that leaves while a chunk is being written leaves the generator
+    suspended at a `yield` until garbage collection closes it."""
+
+    def __init__(self, chunks, handle: RequestHandle):
+        super().__init__(chunks, media_type="text/event-stream")
+        self.handle = handle
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.handle.close()
 
 
 async def _disconnected(request: Request):
