@@ -335,6 +335,11 @@ NAMED = [  # (path, body, the field `param` must name): each once answered param
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, "messages"),
+    # past max_model_len (2048) with the prompt: as vLLM, "input_tokens"; alone: the field
+    ("/v1/completions", {"prompt": [65] * 2040}, "input_tokens"),        # max_tokens' default 16
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": 2048}, "input_tokens"),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 5000}, "max_completion_tokens"),
 ]
 
 
@@ -343,6 +348,31 @@ NAMED = [  # (path, body, the field `param` must name): each once answered param
 def test_bad_value_400_names_its_param(url, path, body, param):
     r = post(url, {"model": "tiny", **body}, path)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_max_tokens_past_the_context_is_a_400(url):
+    """A prompt and max_tokens past max_model_len together were accepted, and stopped at the end
+    of the context with finish_reason "length", as if max_tokens had been reached. As vLLM: 400,
+    naming the numbers; without max_tokens, chat generates to the end of the context."""
+    messages = [{"role": "user", "content": "x" * 2000}]
+    n = post(url, {"messages": messages}, "/tokenize").json()["count"]
+    room = 2048 - n
+    for path, body, fits in (("/v1/completions", {"prompt": [65] * 2040, "max_tokens": 16}, 8),
+                             ("/v1/chat/completions", {"messages": messages, "max_tokens": room + 1}, room),
+                             ("/v1/chat/completions", {"messages": messages, "max_tokens": room + 1, "stream": True},
+                              room)):
+        r = post(url, {"model": "tiny", "ignore_eos": True, **body}, path)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == "input_tokens"
+        tokens = len(body["prompt"]) if "prompt" in body else n
+        for number in (tokens, body["max_tokens"], 2048, fits):
+            assert str(number) in err["message"], (number, err["message"])
+    whole = post(url, {"model": "tiny", "messages": messages, "ignore_eos": True}, "/v1/chat/completions").json()
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == room
+    fits = post(url, {"model": "tiny", "messages": messages, "max_tokens": room, "ignore_eos": True},
+                "/v1/chat/completions")
+    assert fits.status_code == 200 and fits.json()["usage"]["total_tokens"] == 2048
 
 
 def test_a_chat_past_max_prompt_chars_names_messages(tiny_ckpt):

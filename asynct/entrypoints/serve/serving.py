@@ -132,6 +132,24 @@ class ServingContext:
             self.engine.check_prompt(ids, params)
         except ValueError as e:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
+        self._check_fits(len(ids), params.max_tokens, body)
+
+    def _check_fits(self, num_prompt_tokens: int, max_tokens: int | None, body):
+        """As vLLM's server: the prompt and max_tokens must fit in max_model_len together, or 400.
+        The engine would stop at the end of the context, a finish_reason "length" that reads as
+        max_tokens reached. As vLLM's, `param` names max_tokens where it alone exceeds the context,
+        else "input_tokens" (the prompt is what no longer fits). No max_tokens (chat's default):
+        the rest of the context, as vLLM's default."""
+        n, limit = num_prompt_tokens, self.max_model_len
+        if max_tokens is None or n + max_tokens <= limit:
+            return
+        field = body.api_param("max_tokens")
+        if max_tokens > limit:
+            raise ApiError(400, f"{field}={max_tokens} is more than this model's whole context of {limit} tokens "
+                                "(max_model_len)", param=field)
+        raise ApiError(400, f"the prompt has {n} tokens and {field} is {max_tokens}: {n + max_tokens} tokens, past "
+                            f"this model's context of {limit} (max_model_len); after this prompt at most "
+                            f"{limit - n} tokens can be generated", param="input_tokens")
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return self.detok.decode(ids, skip_special_tokens) if self.detok else ""
