@@ -207,6 +207,39 @@ def test_streamed_choices_finish_once(url):
             assert [bool(c["finish_reason"]) for c in mine].count(True) == 1 and mine[-1]["finish_reason"], path
 
 
+def test_engine_process_sends_a_finished_choice_once(llm):
+    """n > 1, streamed: the engine process sent a choice that had ended again at every later step
+    of the others (no new tokens, its finish_reason again) for the front end to drop. Each
+    choice's last delta must be its one finished one, and the deltas must still rebuild the output."""
+    from asynct.engine.core_proc import EngineCore, apply_delta
+    from asynct.engine.outputs import RequestOutput
+
+    class Outbox(list):
+        send = list.append
+
+    outbox, engine = Outbox(), llm.llm_engine
+    params = SamplingParams(n=4, seed=1, max_tokens=40, stop=list("aeiou"))
+    core = EngineCore(engine, outbox)
+    core._apply(("add", [("r", "Hello", params, True)]))
+    while engine.has_unfinished_requests():
+        core._step()
+    steps = [[seq for delta in msg[1] for seq in delta[4]] for msg in outbox if msg[0] == "outputs"]
+    finished_at = {}
+    for step, seqs in enumerate(steps):
+        for index, *_, finish_reason, _ in seqs:
+            assert index not in finished_at, f"choice {index} sent again after its finish"
+            if finish_reason is not None:
+                finished_at[index] = step
+    assert sorted(finished_at) == [0, 1, 2, 3] and len(set(finished_at.values())) > 1   # they end apart
+    rebuilt = RequestOutput("r", None, [], None, [], False)
+    for msg in outbox:
+        for delta in msg[1] if msg[0] == "outputs" else []:
+            apply_delta(rebuilt, delta)
+    want = ref(llm, "Hello", params)
+    assert rebuilt.finished and [(c.text, c.token_ids, c.finish_reason) for c in rebuilt.outputs] == \
+        [(c.text, c.token_ids, c.finish_reason) for c in want.outputs]
+
+
 def test_tokenizer_routes(url, llm):
     from lm_eval.utils import check_remote_tokenizer_support
     r = post(url, {"prompt": "héllo"}, "/tokenize").json()

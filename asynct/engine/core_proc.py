@@ -35,7 +35,8 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
 class EngineCore:
     def __init__(self, engine: LLMEngine, outbox):
         self.engine, self.outbox = engine, outbox
-        self.sent: dict[str, list] = {}     # rid -> [prompt logprobs sent, [[tokens sent, text sent], ...]]
+        # rid -> [prompt logprobs sent, per choice [tokens sent, text sent], or None once it finished]
+        self.sent: dict[str, list] = {}
 
     def run(self, inbox):
         while True:
@@ -113,6 +114,10 @@ class EngineCore:
             if c.index == len(sent[1]):
                 sent[1].append([0, ""])
             state = sent[1][c.index]
+            # a finished choice stays in a streamed request's outputs while its siblings run: its
+            # final delta went once, the front end has all of it
+            if state is None:
+                continue
             num_tokens, text = state
             if num_tokens == len(c.token_ids) and text is c.text and not c.finished:
                 continue
@@ -120,7 +125,7 @@ class EngineCore:
             lps = c.logprobs[num_tokens:] if c.logprobs is not None else None
             seqs.append((c.index, keep, c.text[keep:], c.token_ids[num_tokens:], lps, c.cumulative_logprob,
                          c.finish_reason, c.stop_reason))
-            state[0], state[1] = len(c.token_ids), c.text
+            sent[1][c.index] = None if c.finished else [len(c.token_ids), c.text]
         return rid, out.finished, out.num_cached_tokens, new_plp, seqs
 
 
