@@ -275,6 +275,23 @@ def test_generation_stops_at_max_model_len(tiny_ckpt):
     assert len(out.token_ids) == 5 and out.finish_reason == "length"
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(async_scheduling=False), dict(max_num_batched_tokens=7)],
+                         ids=["async", "sync", "chunked"])
+def test_a_prompt_of_the_whole_context_is_scored(tiny_ckpt, settings):
+    """As vLLM's LLM, a prompt of max_model_len tokens runs: its prompt logprobs (what lm-eval scores
+    a whole-context window by) are those of a longer context, then one token ends it at "length".
+    It was refused, and lm-eval's windows stopped 2 tokens short of the context."""
+    prompt = {"prompt_token_ids": random_prompts(1, 20, 20, seed=4)[0]}
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, prompt_logprobs=1)
+    full, = LLM(tiny_ckpt, max_model_len=20, **settings).generate(prompt, params, use_tqdm=False)
+    roomy, = LLM(tiny_ckpt, **settings).generate(prompt, params, use_tqdm=False)
+    assert full.error is None and full.outputs[0].finish_reason == "length"
+    assert full.outputs[0].token_ids == roomy.outputs[0].token_ids[:1]
+    got, want = ([e[t].logprob for e, t in zip(o.prompt_logprobs[1:], prompt["prompt_token_ids"][1:])]
+                 for o in (full, roomy))
+    assert got == pytest.approx(want, abs=1e-5)
+
+
 def test_max_model_len_beyond_the_rope_tables_is_a_clear_error(tiny_ckpt):
     """The tiny model's RoPE tables hold 2048 positions: a longer max_model_len let a long prompt
     index past them; now the engine refuses to start, naming both numbers (as vLLM does)."""

@@ -98,24 +98,24 @@ def test_generate_until_refuses_a_generation_that_leaves_no_context():
     cut its head) and the engine then failed the whole run with a prompt-length error; now a
     ValueError names both numbers before any request runs, as lm-eval's hf backend refuses it."""
     from lm_eval.api.instance import Instance
-    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64)     # max_length 62
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64)     # max_length 63
     q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
 
     def req(max_gen):
         return Instance("generate_until", {}, (q, {"until": ["\n\n"], "max_gen_toks": max_gen}), 0)
-    for max_gen in (62, 70):
-        with pytest.raises(ValueError, match=f"max_gen_toks={max_gen} .* below max_length=62"):
-            lm.generate_until([req(61), req(max_gen)], disable_tqdm=True)
+    for max_gen in (63, 70):
+        with pytest.raises(ValueError, match=f"max_gen_toks={max_gen} .* below max_length=63"):
+            lm.generate_until([req(62), req(max_gen)], disable_tqdm=True)
     assert lm.prompt_tokens["total"] == 0                  # not even the good request ran
-    assert lm.generate_until([req(61)], disable_tqdm=True)[0]     # the context's last token: still fine
+    assert lm.generate_until([req(62)], disable_tqdm=True)[0]     # the context's last token: still fine
     assert lm.prompt_tokens["total"] == 1
 
 
 def test_max_length_of_the_whole_context_scores_clipped_windows():
     """max_length = max_model_len (the model's whole context, as lm-eval's hf backend takes it)
     made every full rolling window max_length + 1 prompt tokens, which the engine refused: the run
-    failed with a prompt-length error that named no max_length. Windows now stop 2 short of the
-    context (scores equal max_length=62's) and generation keeps the whole max_length; past the
+    failed with a prompt-length error that named no max_length. Windows now stop 1 short of the
+    context (scores equal max_length=63's) and generation keeps the whole max_length; past the
     context, a ValueError says so."""
     with pytest.raises(ValueError, match=r"max_length=65 does not fit max_model_len=64"):
         AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=65)
@@ -123,7 +123,7 @@ def test_max_length_of_the_whole_context_scores_clipped_windows():
     text = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 7\n" * 3
     rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
     whole, clipped = (AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=n)
-                      for n in (64, 62))
+                      for n in (64, 63))
     assert whole.max_length == 64
     (a,), (b,) = (lm.loglikelihood_rolling(rolling, disable_tqdm=True) for lm in (whole, clipped))
     assert math.isfinite(a) and a == pytest.approx(b, rel=1e-6)

@@ -327,7 +327,7 @@ BAD = [  # (why, body or raw bytes, headers, status, words in the message)
     ("empty prompt", {"model": "tiny", "prompt": ""}, None, 400, "empty"),
     ("empty prompt list", {"model": "tiny", "prompt": []}, None, 400, "empty"),
     ("token outside vocab", {"model": "tiny", "prompt": [1, 99999]}, None, 400, "outside the vocabulary"),
-    ("prompt too long", {"model": "tiny", "prompt": "x" * 3000}, None, 400, "at most 2047 prompt tokens"),
+    ("prompt too long", {"model": "tiny", "prompt": "x" * 3000}, None, 400, "at most 2048 prompt tokens"),
     ("unknown model", {"model": "gpt-5", "prompt": "x"}, None, 404, "does not exist"),
     ("missing API key", {"model": "tiny", "prompt": "x"}, {}, 401, "API key"),
     ("wrong API key", {"model": "tiny", "prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "API key"),
@@ -406,6 +406,18 @@ def test_max_tokens_past_the_context_is_a_400(url):
     fits = post(url, {"model": "tiny", "messages": messages, "max_tokens": room, "ignore_eos": True},
                 "/v1/chat/completions")
     assert fits.status_code == 200 and fits.json()["usage"]["total_tokens"] == 2048
+
+
+def test_a_whole_context_prompt_leaves_no_room_to_generate(url):
+    """The engine takes a prompt of max_model_len tokens (as vLLM's LLM, for its prompt logprobs),
+    but a served request must generate: without max_tokens too, as vLLM's server, a 400."""
+    messages = [{"role": "user", "content": "x" * 2000}]
+    n = post(url, {"messages": messages}, "/tokenize").json()["count"]
+    messages[0]["content"] += "x" * (2048 - n)
+    assert post(url, {"messages": messages}, "/tokenize").json()["count"] == 2048
+    r = post(url, {"model": "tiny", "messages": messages}, "/v1/chat/completions")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens", r.text
+    assert "2048" in r.json()["error"]["message"]
 
 
 def test_a_chat_past_max_prompt_chars_names_messages(tiny_ckpt):

@@ -36,8 +36,8 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_mo
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token id {bad} is outside the vocabulary (size {vocab_size})")
-    if len(ids) >= max_model_len:
+    if len(ids) > max_model_len:   # as vLLM's LLM: a whole-context prompt scores, then samples one token
         raise ValueError(f"the prompt has {len(ids)} tokens; this model takes at most "
-                         f"{max_model_len - 1} prompt tokens (max_model_len={max_model_len})")
+                         f"{max_model_len} prompt tokens (max_model_len={max_model_len})")
     if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
         raise ValueError("prompt_logprobs exceeds the vocabulary size")

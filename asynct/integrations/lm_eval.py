@@ -267,11 +267,12 @@ def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
 
 def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
     """(max_length, the scored window's): a scored window is max_length + 1 prompt tokens, as
-    lm-eval's hf backend scores, and the engine samples one more, so windows stop 2 short of
-    max_model_len; generation fits prompt + max_gen_toks in max_length, up to max_model_len. A
-    max_length of the model's whole context (as hf takes it) once made every full window a prompt
-    the engine refused, failing the run after the rest was computed: its windows are clipped."""
-    limit = max_model_len - 2
+    lm-eval's hf backend scores, so windows stop 1 short of max_model_len (then a window is the
+    whole context, as the vllm backend's at max_length = max_model_len); generation fits prompt +
+    max_gen_toks in max_length, up to max_model_len. A max_length of the model's whole context
+    (as hf takes it) once made every full window a prompt the engine refused, failing the run
+    after the rest was computed: its windows are clipped."""
+    limit = max_model_len - 1
     if not max_length:
         return limit, limit
     n = int(max_length)
@@ -279,8 +280,8 @@ def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
         raise ValueError(f"max_length={max_length} does not fit max_model_len={max_model_len} (lower "
                          f"max_length, or raise max_model_len)")
     if n > limit:
-        logger.warning("loglikelihood windows are %d tokens (max_model_len=%d less the 2 the engine needs), "
-                       "not max_length=%s", limit, max_model_len, max_length)
+        logger.warning("loglikelihood windows score %d tokens (max_model_len=%d less the first, which has no "
+                       "logits), not max_length=%s", limit, max_model_len, max_length)
     return n, min(n, limit)
 
 

@@ -139,8 +139,11 @@ class ServingContext:
         The engine would stop at the end of the context, a finish_reason "length" that reads as
         max_tokens reached. As vLLM's, `param` names max_tokens where it alone exceeds the context,
         else "input_tokens" (the prompt is what no longer fits). No max_tokens (chat's default):
-        the rest of the context, as vLLM's default."""
+        the rest of the context, as vLLM's default, which a whole-context prompt leaves empty."""
         n, limit = num_prompt_tokens, self.max_model_len
+        if max_tokens is None and n >= limit:
+            raise ApiError(400, f"the prompt has {n} tokens: this model's context of {limit} (max_model_len) "
+                                "leaves no room to generate", param="input_tokens")
         if max_tokens is None or n + max_tokens <= limit:
             return
         field = body.api_param("max_tokens")
