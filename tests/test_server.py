@@ -482,3 +482,16 @@ def test_startup_summary_line(llm, tiny_ckpt):
                            f"KV cache {blocks} blocks x 16 = {16 * blocks} tokens (")
     assert line.endswith("GiB, float32), attention torch, CUDA graphs off, engine started in 2.3 s")
     assert 0.9 < s["kv_cache_gib"] <= 1.0        # the CPU default: 1 GiB of KV cache
+
+
+def test_stop_strings_without_a_tokenizer_are_a_400_before_the_stream(tmp_path):
+    """The front end left this check to the engine process: a streamed request got 200 and then an
+    error event, a plain one a 400 naming no param. Both are a 400 naming `stop`, as other bad values."""
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path / "notok", tokenizer=False)
+    with ServerThread(make_app(ckpt, served_model_name="m")) as u:
+        for stream in (False, True):
+            r = post(u, {"model": "m", "prompt": [5, 6], "max_tokens": 4, "stop": ["a"], "stream": stream})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+            assert "stop strings need a tokenizer" in r.json()["error"]["message"]
+        assert post(u, {"model": "m", "prompt": [5, 6], "max_tokens": 4, "stop_token_ids": [0]}).status_code == 200

@@ -2,7 +2,7 @@
 ids, its length, and sampling values that must fit the vocabulary (also run by the server's
 front end and by data parallel's dispatcher, which hold no engine)."""
 from asynct.engine.detokenizer import Detokenizer
-from asynct.engine.sampling_params import SamplingParams
+from asynct.engine.sampling_params import SamplingParams, SamplingParamsError
 
 
 def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[int]]:
@@ -24,7 +24,8 @@ def check_stop_strings(detokenizer: Detokenizer | None, params: SamplingParams):
     """Stop strings are searched for in the output's text: without a tokenizer there is none,
     and they would be ignored silently (generation running on to max_tokens)."""
     if params.stop_list and detokenizer is None:
-        raise ValueError("stop strings need a tokenizer and this checkpoint has none: use stop_token_ids")
+        raise SamplingParamsError("stop strings need a tokenizer and this checkpoint has none: use stop_token_ids",
+                                  "stop")
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):

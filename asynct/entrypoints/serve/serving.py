@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.inputs import check_stop_strings
 from asynct.engine.sampling_params import SamplingParams
 from asynct.entrypoints.serve.async_engine import AsyncEngine, EngineError, QueueFull, RequestHandle
 from asynct.entrypoints.serve.limits import ServerLimits
@@ -130,6 +131,8 @@ class ServingContext:
         sampling value that does not fit the model (top_k past the vocabulary) names its field."""
         try:
             self.engine.check_prompt(ids, params)
+            # the engine process would refuse them too, but only after a stream's 200 had gone
+            check_stop_strings(self.detok, params)
         except ValueError as e:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
         self._check_fits(len(ids), params.max_tokens, body)
