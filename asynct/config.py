@@ -22,6 +22,12 @@ def _is_token_ids(x) -> bool:
     return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
 
 
+def _is_flag(x) -> bool:
+    """true or false, or 0 or 1 as some converters write them: those read right, a string does
+    not ("false" is true)."""
+    return isinstance(x, int) and x in (0, 1)
+
+
 def _default_head_dim(hidden_size, num_attention_heads):
     """hidden_size / num_attention_heads, or None (validate_asynct names the bad one) where
     either is no positive integer: dividing raised ZeroDivisionError or TypeError."""
@@ -132,7 +138,7 @@ class AsyncTConfig(PretrainedConfig):
         if not isinstance(self.asynci_pool_size, int) or self.asynci_pool_size < 1:
             problems.append(f"asynci_pool_size={self.asynci_pool_size!r} must be an integer >= 1")
         for name in ("asynci_relu_pre", "tie_word_embeddings"):   # the string "false" would read as true
-            if not isinstance(getattr(self, name), bool):
+            if not _is_flag(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)!r} must be true or false")
         if not _is_token_ids(self.eos_token_id):   # the string "256" matched no token: nothing stopped at EOS
             problems.append(f"eos_token_id={self.eos_token_id!r} must be a token id, a list of them, or null")

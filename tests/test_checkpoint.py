@@ -101,6 +101,21 @@ def test_config_values_of_the_wrong_type(tmp_path, tiny_ckpt, field, value):
         AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("tied", [0, 1])
+def test_config_booleans_written_as_0_or_1_load(tmp_path, tied):
+    """Converters that write tie_word_embeddings as 0 or 1 loaded right (the model reads it as
+    true or false) until the check for a string "false" refused every non-boolean."""
+    import shutil
+    ckpt = make_checkpoint("tiny", tmp_path / "ck", seed=5, tie_word_embeddings=bool(tied))
+    cfg = {**json.loads((ckpt / "config.json").read_text()), "tie_word_embeddings": tied}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    shutil.copytree(ckpt, tmp_path / "bool")
+    cfg["tie_word_embeddings"] = bool(tied)
+    (tmp_path / "bool" / "config.json").write_text(json.dumps(cfg))
+    model = AsyncTForCausalLM.from_pretrained(ckpt).float()
+    assert torch.equal(logits(model, IDS), logits(AsyncTForCausalLM.from_pretrained(tmp_path / "bool").float(), IDS))
+
+
 def test_missing_files(tmp_path, tiny_ckpt):
     with pytest.raises(CheckpointError, match="not a directory"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "nope")
