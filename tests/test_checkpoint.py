@@ -140,6 +140,16 @@ def test_invalid_json_names_its_file(tmp_path, tiny_ckpt, name):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("text", ["[]", "null", '"asynct"'])
+def test_config_that_is_not_an_object_names_its_file(tmp_path, tiny_ckpt, text):
+    """Valid JSON that is no object raised a bare AttributeError ('list' object has no attribute 'get')."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text(text)
+    with pytest.raises(CheckpointError, match="config.json is not a JSON object"):
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+
+
 @pytest.mark.parametrize("index", ['{"metadata": {}}', "[]", '{"weight_map": ["model.safetensors"]}'])
 def test_index_without_a_weight_map(tmp_path, tiny_ckpt, index):
     """An index without a weight_map object raised a bare KeyError or AttributeError."""

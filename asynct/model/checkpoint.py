@@ -130,6 +130,8 @@ def load_config(path) -> AsyncTConfig:
     if not cfg_file.exists():
         raise CheckpointError(path, ["config.json is missing"])
     raw = read_json(path, "config.json")
+    if not isinstance(raw, dict):   # raw.get raised a bare AttributeError
+        raise CheckpointError(path, ["config.json is not a JSON object"])
     if raw.get("model_type") != "asynct":
         raise CheckpointError(path, [f"config.json model_type is {raw.get('model_type')!r}, expected 'asynct'"])
     missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
