@@ -24,7 +24,8 @@ def _filter_top_k_top_p_min_p(logits, seqs):
     # as vLLM: the nucleus is taken from what top-k and min-p leave, renormalised
     kept = probs.masked_fill(drop, 0)
     before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)   # mass strictly before each token
-    drop |= before >= host_to_device(top_p, probs.dtype, dev)[:, None]
+    top_p = host_to_device(top_p, probs.dtype, dev)[:, None]
+    drop |= (before >= top_p) & (top_p < 1)   # rounding takes `before` to 1 in a long tail
     drop[:, 0] = False                                         # the top token always stays
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
