@@ -305,3 +305,15 @@ def test_engine_process_death_is_reported(tiny_ckpt):
         assert health.status_code == 503 and "engine process exited" in health.json()["error"]["message"]
         r = httpx.post(url + "/v1/completions", json={**body, "stream": False})
         assert r.status_code == 503 and "restart the server" in r.json()["error"]["message"]
+
+
+def test_one_engine_hashes_no_prefix_keys(server, monkeypatch):
+    """The prefix keys route requests between data-parallel engines: with one, hashing every block
+    of each prompt (ms for a long one) held the event loop for nothing."""
+    import asynct.entrypoints.serve.async_engine as async_engine
+
+    def unexpected(*args):
+        raise AssertionError("prefix keys hashed for a single engine")
+    monkeypatch.setattr(async_engine, "prefix_keys", unexpected)
+    r = httpx.post(server + "/v1/completions", json={"model": "tiny", "prompt": "x" * 64, "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text

@@ -148,7 +148,8 @@ class AsyncEngine:
         base = f"req-{next(self.ids)}"
         handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))])
         for i, (rid, ids) in enumerate(zip(handle.rids, prompts)):
-            keys = prefix_keys(ids, self.args.block_size)
+            # hashing every block of a long prompt costs the event loop ms: only routing needs it
+            keys = prefix_keys(ids, self.args.block_size) if len(self.engines) > 1 else []
             k = pick_engine(keys, [e.num_in_flight for e in self.engines], live, self.homes)
             self.engines[k].num_in_flight += 1
             self.routes[rid] = (handle, i, RequestOutput(rid, None, ids, None, [], False), k)
