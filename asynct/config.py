@@ -19,7 +19,7 @@ def _is_positive_int(x) -> bool:
 
 def _is_token_ids(x) -> bool:
     ids = x if isinstance(x, (list, tuple)) else [] if x is None else [x]
-    return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in ids)   # -1: none (some converters)
 
 
 def _is_flag(x) -> bool:

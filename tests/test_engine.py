@@ -268,6 +268,20 @@ def test_any_of_a_config_s_eos_ids_ends_a_sequence(tiny_ckpt, tmp_path):
     assert len(late.token_ids) > cut
 
 
+def test_an_eos_id_of_minus_one_is_none(tiny_ckpt, tmp_path):
+    """Converters write eos_token_id -1 for "none": such a checkpoint runs, with no EOS id."""
+    import json
+    import shutil
+    ckpt = shutil.copytree(tiny_ckpt, tmp_path / "eos-none")
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": -1}))
+    llm = LLM(ckpt)
+    assert llm.llm_engine.eos_token_ids == [] and llm.llm_engine.runner.eos_token_ids == []
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=4, min_tokens=2),
+                       use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 4
+
+
 def test_generation_stops_at_max_model_len(tiny_ckpt):
     llm = LLM(tiny_ckpt, max_model_len=20)
     out = llm.generate({"prompt_token_ids": [1] * 15}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),

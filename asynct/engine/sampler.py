@@ -45,9 +45,8 @@ def _exponential_noise(probs, seqs):
 def eos_ids(eos_token_id) -> list[int]:
     """A config's eos_token_id as a list: transformers configs hold one id, None, or a list of
     ids any of which ends a sequence (Llama 3's holds three)."""
-    if eos_token_id is None:
-        return []
-    return list(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
+    ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [] if eos_token_id is None else [eos_token_id]
+    return [i for i in ids if i >= 0]   # converters write -1 for none: as an index it is the last token
 
 
 def suppress_stops(logits, seqs, eos_token_ids=()):
