@@ -41,7 +41,7 @@ BAD_SIZES = [dict(max_num_seqs=0), dict(max_num_batched_tokens=0), dict(block_si
              dict(max_model_len=0), dict(num_kv_blocks=-1), dict(admission_batch=0), dict(data_parallel_size=0),
              dict(max_num_seqs=True), dict(max_num_seqs=2.0), dict(gpu_memory_utilization=0),
              dict(gpu_memory_utilization=1.5), dict(gpu_memory_utilization=float("nan")),
-             dict(kv_cache_memory="1G"), dict(kv_cache_memory=0)]
+             dict(kv_cache_memory="1G"), dict(kv_cache_memory=0), dict(kv_cache_memory=1.5)]
 
 
 @pytest.mark.parametrize("bad", BAD_SIZES, ids=[str(b) for b in BAD_SIZES])
@@ -54,10 +54,15 @@ def test_sizes_below_one_are_clear_errors(tiny_ckpt, bad):
 
 
 @pytest.mark.parametrize("name", ["enforce_eager", "enable_prefix_caching", "async_scheduling"])
-def test_flags_must_be_booleans(tiny_ckpt, name):
-    """A string "false" read as true: enable_prefix_caching="false" kept prefix caching on, silently."""
-    with pytest.raises(ValueError, match=f"^{name} must be True or False, got 'false'"):
-        LLM(tiny_ckpt, **{name: "false"})
+def test_flags_read_as_vllm_reads_them(tiny_ckpt, name):
+    """A string "false" read as true: enable_prefix_caching="false" kept prefix caching on, silently.
+    As vLLM (pydantic), "false"/"no"/"off"/0 are false and "true"/"yes"/"on"/1 true; "ture" is an
+    error naming the flag."""
+    from asynct.engine.engine_args import EngineArgs
+    for value, want in (("false", False), ("No", False), (0, False), ("TRUE", True), ("on", True), (1, True)):
+        assert getattr(EngineArgs(str(tiny_ckpt), **{name: value}), name) is want
+    with pytest.raises(ValueError, match=f"^{name} must be True or False .*got 'ture'"):
+        LLM(tiny_ckpt, **{name: "ture"})
 
 
 def test_a_torch_dtype_that_is_not_floating_is_a_clear_error(tiny_ckpt):
@@ -140,3 +145,9 @@ def test_progress_bar_shows_input_and_output_speed(llm, capsys):
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=True)
     err = capsys.readouterr().err
     assert "Processed prompts" in err and "est. speed input: " in err and " toks/s, output: " in err
+
+
+def test_kv_cache_memory_takes_a_whole_float(tiny_ckpt):
+    """lm-eval's model_args parse kv_cache_memory=4e9 as a float: a whole number of bytes is one."""
+    from asynct.engine.engine_args import EngineArgs
+    assert EngineArgs(str(tiny_ckpt), kv_cache_memory=4e9).kv_cache_memory == 4_000_000_000

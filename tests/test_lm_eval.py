@@ -405,18 +405,22 @@ def test_sampled_generations_repeat_under_the_same_seed():
 
 def test_a_mistyped_boolean_model_arg_is_an_error(capsys):
     """enforce_eager=ture read as false (anything but 1, true or yes did), and the run went on
-    without a word; a boolean option now takes what lm-eval's model_args parsing reads as one
-    (true or false, any case) and refuses anything else, naming the option and the value,
-    through lm-eval's entry and `asynct eval`, before any engine starts."""
+    without a word; a boolean option now takes what vLLM reads as one (lm-eval's vllm backend
+    passes model_args on: true/false in any case, 1/0, yes/no, on/off) and refuses anything else,
+    naming the option and the value, through lm-eval's entry and `asynct eval`, before any engine
+    starts."""
     from asynct.integrations.lm_eval import _engine_args
     assert _engine_args({"enforce_eager": "True", "enable_prefix_caching": "FALSE", "async_scheduling": False}) == \
         {"enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
-    for bad in ("ture", "yes", 1):
-        with pytest.raises(ValueError, match=rf"option enforce_eager={bad!r}: not a bool \(true or false\)"):
+    assert _engine_args({"enforce_eager": 1, "enable_prefix_caching": "no", "async_scheduling": "On"}) == \
+        {"enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": True}
+    for bad in ("ture", "", 2):
+        with pytest.raises(ValueError, match=rf"option enforce_eager={bad!r}: not a bool \(true/false, 1/0"):
             _engine_args({"enforce_eager": bad})
     with pytest.raises(ValueError, match=r"option enforce_eager='ture'"):
         lm_eval.simple_evaluate(model="asynct", model_args=f"pretrained={MODEL},enforce_eager=ture",
                                 tasks=["tiny_gsm"], limit=1, task_manager=task_manager())
     assert eval_cli("--model_args", f"pretrained={MODEL},enforce_eager=ture", "--tasks", "tiny_gsm", "--limit", 1) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last == "asynct eval: error: asynct model_args option enforce_eager='ture': not a bool (true or false)"
+    assert last == ("asynct eval: error: asynct model_args option enforce_eager='ture': not a bool "
+                    "(true/false, 1/0, yes/no, on/off)")

@@ -45,9 +45,8 @@ class EngineArgs:
     trust_remote_code: bool = False
 
     def __post_init__(self):
-        for name in FLAGS:   # the string "false" would read as true
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        for name in FLAGS:
+            setattr(self, name, as_flag(name, getattr(self, name)))
         self.cudagraph_mode = str(self.cudagraph_mode).lower()
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode={self.cudagraph_mode!r}; choose from {CUDAGRAPH_MODES}")
@@ -65,6 +64,8 @@ class EngineArgs:
         """Sizes below 1 build an engine that cannot run: max_num_seqs=0 or
         max_num_batched_tokens=0 admit nothing (generate would wait forever), block_size=0
         divides by zero."""
+        if isinstance(self.kv_cache_memory, float) and self.kv_cache_memory.is_integer():
+            self.kv_cache_memory = int(self.kv_cache_memory)   # 4e9 bytes, as lm-eval's model_args parse it
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "data_parallel_size", "kv_cache_memory"):
             if not _is_positive_int(getattr(self, name)):
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -79,6 +80,24 @@ class EngineArgs:
         u = self.gpu_memory_utilization
         if not (isinstance(u, (int, float)) and not isinstance(u, bool) and 0 < u <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
+
+
+# what vLLM's (pydantic's) flags read as false / true, in any case; a plain truth test read
+# the string "false" as true
+FLAG_WORDS = {**dict.fromkeys(("0", "off", "f", "false", "n", "no"), False),
+              **dict.fromkeys(("1", "on", "t", "true", "y", "yes"), True)}
+
+
+def as_flag(name: str, value) -> bool:
+    """`value` as a bool, as vLLM reads a flag (True/False, 0/1, "false"/"true", "no"/"yes",
+    "off"/"on"), or a ValueError naming the flag ("ture" is no flag)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.lower() in FLAG_WORDS:
+        return FLAG_WORDS[value.lower()]
+    raise ValueError(f"{name} must be True or False (or 1/0, yes/no, on/off), got {value!r:.40}")
 
 
 def _is_positive_int(x) -> bool:

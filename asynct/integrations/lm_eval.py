@@ -301,7 +301,8 @@ def _engine_args(kw: dict) -> dict:
             try:
                 out[k] = _coerce(v, types[k])
             except ValueError:
-                kind = "bool (true or false)" if isinstance(types[k], bool) else type(types[k]).__name__
+                kind = "bool (true/false, 1/0, yes/no, on/off)" if isinstance(types[k], bool) \
+                    else type(types[k]).__name__
                 raise ValueError(f"asynct model_args option {k}={v!r}: not a {kind}") from None
         elif k not in ("trust_remote_code", "parallelize", "max_batch_size"):
             raise ValueError(f"unknown asynct model_args option {k!r}; options: pretrained, max_gen_toks, "
@@ -309,17 +310,10 @@ def _engine_args(kw: dict) -> dict:
     return out
 
 
-# what lm-eval's model_args parsing reads as a boolean, in any case: "ture" read as false, silently
-_BOOLEANS = {"true": True, "false": False}
-
-
 def _coerce(v, default):
     if isinstance(default, bool):
-        if isinstance(v, bool):
-            return v
-        if isinstance(v, str) and v.lower() in _BOOLEANS:
-            return _BOOLEANS[v.lower()]
-        raise ValueError(v)
+        from asynct.engine.engine_args import as_flag
+        return as_flag("", v)
     if not isinstance(v, str):
         return v
     if isinstance(default, int) or (default is None and v.isdigit()):
