@@ -424,3 +424,13 @@ def test_a_mistyped_boolean_model_arg_is_an_error(capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == ("asynct eval: error: asynct model_args option enforce_eager='ture': not a bool "
                     "(true/false, 1/0, yes/no, on/off)")
+
+
+def test_max_batch_size_bounds_the_engine_batch():
+    """lm-eval's --max_batch_size was dropped; the vllm backend makes it vLLM's max_num_seqs
+    (unless model_args set max_num_seqs), and so does this one."""
+    from lm_eval.api.registry import get_model
+    args = f"pretrained={MODEL},dtype=float32,device=cpu"
+    for extra, want in (("", 8), (",max_num_seqs=4", 4)):
+        lm = get_model("asynct").create_from_arg_string(args + extra, {"batch_size": 1, "max_batch_size": 8})
+        assert lm.llm.llm_engine.args.max_num_seqs == want

@@ -42,13 +42,16 @@ class AsyncTLM(TemplateLM):
 
     def __init__(self, pretrained: str, batch_size=None, max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
                  max_length: int | None = None, prefix_token_id: int | None = None, seed: int | None = _DEFAULT_SEED,
-                 **engine_kwargs):
+                 max_batch_size: int | None = None, **engine_kwargs):
         super().__init__()
         from asynct import LLM
         t0 = time.perf_counter()
         # decode graphs wait for a first generate: loglikelihood tasks never decode. The engine is
         # seeded from model_args, as lm-eval's vllm backend seeds vLLM's: unseeded, sampling drew
         # from whatever torch state the process had (none that --seed set in an engine process)
+        # --max_batch_size bounds the engine's batch, as the vllm backend makes it vLLM's max_num_seqs
+        if max_batch_size is not None:
+            engine_kwargs.setdefault("max_num_seqs", max_batch_size)
         self.llm = LLM(str(pretrained), **{"lazy_decode_graphs": True,
                                            **_engine_args({"seed": seed, **engine_kwargs})})
         self.timings = {"load": time.perf_counter() - t0, "engine": 0.0}
@@ -304,7 +307,7 @@ def _engine_args(kw: dict) -> dict:
                 kind = "bool (true/false, 1/0, yes/no, on/off)" if isinstance(types[k], bool) \
                     else type(types[k]).__name__
                 raise ValueError(f"asynct model_args option {k}={v!r}: not a {kind}") from None
-        elif k not in ("trust_remote_code", "parallelize", "max_batch_size"):
+        elif k not in ("trust_remote_code", "parallelize"):
             raise ValueError(f"unknown asynct model_args option {k!r}; options: pretrained, max_gen_toks, "
                              f"max_length, prefix_token_id, and the engine's {', '.join(sorted(types))}")
     return out
