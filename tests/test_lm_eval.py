@@ -434,3 +434,16 @@ def test_max_batch_size_bounds_the_engine_batch():
     for extra, want in (("", 8), (",max_num_seqs=4", 4)):
         lm = get_model("asynct").create_from_arg_string(args + extra, {"batch_size": 1, "max_batch_size": 8})
         assert lm.llm.llm_engine.args.max_num_seqs == want
+
+
+def test_eval_takes_the_device_from_model_args(capsys):
+    """`asynct eval --model_args device=cpu` ended in a TypeError traceback (lm-eval also passes
+    its --device to the model); two different devices are a one-line error."""
+    args = f"pretrained={MODEL},dtype=float32,device=cpu"
+    assert eval_cli("--model_args", args, "--tasks", "tiny_gsm", "--limit", 1) == 0
+    assert eval_cli("--model_args", args, "--device", "cpu", "--tasks", "tiny_gsm", "--limit", 1) == 0
+    with pytest.raises(SystemExit) as e:
+        eval_cli("--model_args", args, "--device", "cuda:1", "--tasks", "tiny_gsm", "--limit", 1)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "asynct eval: error: the device is given twice: --device cuda:1 and --model_args device=cpu; give one")

@@ -103,9 +103,22 @@ def _model_defaults(args):
     args.model = args.model or "asynct"
     if args.model == "asynct":
         model_args.setdefault("pretrained", str(SHIPPED_MODEL))
-        args.device = args.device or "auto"  # lm-eval's default is cuda:0; the engine picks
+        _one_device(args, model_args)
     args.model_args = model_args
     args.tasks = args.tasks or DEFAULT_TASKS
+
+
+def _one_device(args, model_args: dict):
+    """lm-eval passes its --device (default cuda:0) beside model_args, so a device in model_args
+    was its TypeError ("multiple values for keyword argument"): it becomes --device. Without
+    either, the engine picks (a GPU where there is one)."""
+    if "device" in model_args:
+        device = str(model_args.pop("device"))
+        if args.device and args.device != device:
+            raise SystemExit(_fail(f"the device is given twice: --device {args.device} and --model_args "
+                                   f"device={device}; give one"))
+        args.device = device
+    args.device = args.device or "auto"
 
 
 def task_manager(include_path=None, include_defaults: bool = False, metadata=None, **kw):
