@@ -216,6 +216,7 @@ def test_killed_engine_fails_only_its_requests(dp_llm, tiny_ckpt):
     assert all("engine process 1 exited (code -9)" in o.error for o in failed)
     assert all(o.outputs[0].finish_reason == "error" for o in failed)
     assert all(len(o.outputs[0].token_ids) == 600 for o in outs if not o.error)
+    assert eng.num_kv_blocks == ENGINE["num_kv_blocks"]     # the dead engine's blocks went with it
     prompts, params = mixed_batch()
     after = dp_llm.generate(prompts, params, use_tqdm=False)
     one = LLM(tiny_ckpt, **ENGINE).generate(prompts, params, use_tqdm=False)
@@ -315,7 +316,8 @@ def a_context_follows_its_engine(url):
 def one_engine_killed(url, pid):
     """Two streams, one on each engine (both idle: the first goes to engine 0, the next to 1);
     engine 1 killed: its stream ends with an error naming it, the other finishes, /health says
-    503, and a new request is served by engine 0."""
+    503, /metrics shows engine 1 running nothing and holding no blocks (its counters stay), and a
+    new request is served by engine 0."""
     import httpx
     body = {"model": "tiny", "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True}
 
@@ -334,5 +336,9 @@ def one_engine_killed(url, pid):
     assert survived[-1] == "data: [DONE]" and '"finish_reason":"length"' in survived[-2].replace(" ", "")
     health = httpx.get(url + "/health")
     assert health.status_code == 503 and "engine process 1 exited" in health.text
+    m = metrics_by_engine(url)     # the dead engine's last snapshot showed its stream running
+    assert m[("num_requests_running", "1")] == m[("num_requests_waiting", "1")] == 0
+    assert m[("kv_blocks_total", "1")] == 0 and m[("kv_blocks_total", "total")] == m[("kv_blocks_total", "0")]
+    assert m[("generation_tokens_total", "1")] > 0
     r = httpx.post(url + "/v1/completions", json={**body, "stream": False, "prompt": "still here", "max_tokens": 4})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -153,3 +153,9 @@ def snapshot(engine: LLMEngine) -> dict:
             "prefix_cache_hit_rate": bm.prefix_cache_hit_rate, "preemptions": sched.num_preemptions,
             "prefix_queries": bm.num_queries, "prefix_hits": bm.num_hits,
             **{k: engine.stats[k] for k in ("prompt_tokens", "generation_tokens", "steps")}}
+
+
+def dead_snapshot(snap: dict) -> dict:
+    """A dead engine's last snapshot as it stands now: nothing running or waiting and no KV
+    blocks (they went with the process); its counters stay, so that totals never go back."""
+    return {**snap, "running": 0, "waiting": 0, "blocks_total": 0, "blocks_free": 0}

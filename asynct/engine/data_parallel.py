@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from asynct.engine.block_manager import NO_HASH, chain_hash
 from asynct.engine.core_client import start_engines
-from asynct.engine.core_proc import apply_delta
+from asynct.engine.core_proc import apply_delta, dead_snapshot
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize
@@ -182,6 +182,7 @@ class DataParallelEngine:
         if self.dead[k] is not None:
             return
         self.dead[k] = f"{self.clients[k].name} exited (code {code}) while running this request"
+        self.snapshots[k] = dead_snapshot(self.snapshots[k])   # lm-eval sizes its waves by num_kv_blocks
         log.error("%s exited (code %s); its requests fail, the other engines go on", self.clients[k].name, code)
         for rid in [rid for rid, r in self.requests.items() if r.engine == k]:
             self._fail(rid, self.dead[k])

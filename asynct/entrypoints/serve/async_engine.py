@@ -11,7 +11,7 @@ import time
 from collections import deque
 
 from asynct.engine.core_client import CoreClient, start_engines
-from asynct.engine.core_proc import apply_delta
+from asynct.engine.core_proc import apply_delta, dead_snapshot
 from asynct.engine.data_parallel import PrefixHomes, pick_engine, prefix_keys
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.inputs import check_prompt
@@ -227,6 +227,7 @@ class AsyncEngine:
             return
         e = self.engines[k]
         e.dead = f"{e.client.name} exited (code {code}); restart the server"
+        e.snapshot = dead_snapshot(e.snapshot)     # /metrics: its last one showed requests it no longer runs
         log.error(e.dead)
         self._fail([rid for rid, route in self.routes.items() if route[3] == k], e.dead, 500)
 
