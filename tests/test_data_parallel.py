@@ -240,6 +240,30 @@ def test_an_engine_that_died_idle_gets_no_new_requests(tiny_ckpt):
         llm.llm_engine.shutdown()
 
 
+def test_server_sends_nothing_to_an_engine_whose_exit_it_has_not_read(tiny_ckpt):
+    """An engine process gone, its exit message not yet handled on the event loop: a new request
+    goes to the engine left (it was routed to the dead one and failed with a 500)."""
+    from multiprocessing.connection import wait
+    from asynct.entrypoints.serve.async_engine import AsyncEngine
+    engine = AsyncEngine(EngineArgs(model=str(tiny_ckpt), data_parallel_size=2, **ENGINE))
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def go():
+        engine.start(asyncio.get_running_loop())
+        first = engine.submit([[5, 6, 7]], greedy, stream=False)      # engine 0: engine 1 is next
+        victim = engine.engines[1].client.proc
+        os.kill(victim.pid, signal.SIGKILL)
+        wait([victim.sentinel], timeout=10)
+        second = engine.submit([[8, 9]], greedy, stream=False)       # the loop has not run since
+        return [[out for latest in [u async for u in h.updates()] for out in latest.values()][-1]
+                for h in (first, second)]
+    try:
+        outs = asyncio.run(go())
+    finally:
+        engine.stop()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]
+
+
 def metrics_by_engine(url) -> dict:
     import httpx
     text = httpx.get(url + "/metrics").text

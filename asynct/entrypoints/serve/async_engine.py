@@ -137,9 +137,11 @@ class AsyncEngine:
         """Queues one engine request per prompt, each on a live engine (`pick_engine`); raises
         QueueFull past the queue limit: requests beyond each engine's max_num_seqs count as queued
         (counted here, not sampled from the engines, so the limit is exact)."""
-        live = [i for i, e in enumerate(self.engines) if e.dead is None]
+        # a process may have exited before its exit message reached the loop: a request sent
+        # there would fail as if it had died running it, with live engines at hand
+        live = [i for i, e in enumerate(self.engines) if e.dead is None and not e.client.exited]
         if self.stopping or not live:
-            raise EngineError(self.dead, 503)
+            raise EngineError(self.dead or "every engine process has exited; restart the server", 503)
         if self.max_queued_requests is not None:
             batch = self.args.max_num_seqs * len(live)
             if len(self.routes) + len(prompts) > batch + self.max_queued_requests:
