@@ -17,13 +17,14 @@ from asynct.entrypoints.serve.launch import ServerThread
 from asynct.entrypoints.serve.limits import ServerLimits
 
 POISON = -17      # a seed that marks the request whose sampling the engine is made to fail
+POISON_PROMPT = [250, 251, 252]    # ... and the first tokens of a prompt whose sampling fails
 GOOD = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
 LIMITS = ServerLimits(max_n=8, render_timeout=0.5, header_timeout=1.0, max_connections=48)
 
 
 def poisoned_sample(logits, seqs, eos_token_ids=()):
     from asynct.engine.sampler import sample
-    if any(s.params.seed == POISON for s in seqs):
+    if any(s.params.seed == POISON or s.token_ids[:3] == POISON_PROMPT for s in seqs):
         raise RuntimeError("injected sampling failure")
     return sample(logits, seqs, eos_token_ids)
 
@@ -141,6 +142,15 @@ def test_failure_inside_the_engine_fails_that_request_alone(url, alone):
     """Defence in depth: the engine's sampling raises for one request (injected)."""
     r = check(url, alone, "/v1/completions", {**GOOD, "seed": POISON, "n": 2}, 500, "injected sampling failure")
     assert r.json()["error"]["type"] == "server_error"
+
+
+def test_a_failed_prompts_siblings_are_not_counted_as_clients_leaving(url, alone):
+    """One prompt of a request fails in the engine: the server aborts the request's others, and
+    /metrics' requests_aborted_total (requests whose client left) counted them."""
+    before = metrics(url)["requests_aborted_total"]
+    body = {**GOOD, "prompt": [POISON_PROMPT, [40, 41, 42]], "max_tokens": 200}
+    check(url, alone, "/v1/completions", body, 500, "injected sampling failure")
+    assert metrics(url)["requests_aborted_total"] == before
 
 
 def test_request_chat_template_is_refused_or_time_limited(server, alone):

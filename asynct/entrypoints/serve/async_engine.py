@@ -39,6 +39,7 @@ class RequestHandle:
         self.engine, self.rids = engine, rids
         self.queue: asyncio.Queue = asyncio.Queue()
         self.pending = set(range(len(rids)))
+        self.failed = False
 
     async def updates(self):
         """Yields {prompt index: latest RequestOutput}. Outputs are cumulative, so several that
@@ -50,6 +51,7 @@ class RequestHandle:
             latest = {}
             for idx, out in items:
                 if isinstance(out, EngineError):
+                    self.failed = True
                     raise out
                 latest[idx] = out
                 if out.finished:
@@ -57,11 +59,11 @@ class RequestHandle:
             yield latest
 
     def close(self):
-        """Aborts whatever is unfinished (client gone or request done early); idempotent."""
+        """Aborts whatever is unfinished (client gone, or another prompt of it failed); idempotent."""
         live = [self.rids[i] for i in self.pending]
         self.pending = set()
         if live:
-            self.engine.abort(live)
+            self.engine.abort(live, client_left=not self.failed)
 
 
 class EngineSlot:
@@ -158,14 +160,16 @@ class AsyncEngine:
             self.engines[k].client.add((rid, ids, params, stream))
         return handle
 
-    def abort(self, rids: list[str]):
+    def abort(self, rids: list[str], client_left: bool = True):
+        """`client_left`: counted in /metrics' requests_aborted_total (the server's own aborts, of a
+        failed request's other prompts, are not)."""
         by_engine: dict[int, list[str]] = {}
         for rid in rids:
             route = self._unroute(rid)
             if route is not None:      # not yet finished
                 by_engine.setdefault(route[3], []).append(rid)
         for k, live in by_engine.items():
-            self.engines[k].num_aborted += len(live)
+            self.engines[k].num_aborted += len(live) if client_left else 0
             self.engines[k].client.abort(live)
 
     def _unroute(self, rid: str):
