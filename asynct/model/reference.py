@@ -201,8 +201,9 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
         logits = self.lm_head(h)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                                   ignore_index=-100)
+            # transformers' causal LM loss: Trainer passes num_items_in_batch (the sum is divided by
+            # it) and then leaves the loss unscaled for gradient accumulation
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
 

@@ -1,0 +1,39 @@
+"""The reference model through transformers' API, as Trainer, generate and lm-eval call it."""
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import spec_oracle
+
+
+@pytest.fixture(scope="module")
+def model(tiny_ckpt):
+    return AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ref_logits(tiny_ckpt, model):
+    """Float64 logits of `ids` straight from docs/model.md."""
+    tensors = {k: v.double() for k, v in load_file(tiny_ckpt / "model.safetensors").items()}
+    return lambda ids: spec_oracle.forward(model.config, tensors, ids)
+
+
+def ids_of(n, seed=0):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_loss_over_num_items_in_batch(model, ref_logits):
+    """Trainer passes num_items_in_batch (the forward takes **kwargs) and then does not divide the
+    loss by the gradient accumulation steps: the loss must be the summed NLL over that count."""
+    ids = ids_of(12)
+    labels = ids.clone()
+    labels[:4] = -100
+    nll = -torch.log_softmax(ref_logits(ids), -1)[:-1].gather(-1, ids[1:, None])[:, 0]
+    kept = labels[1:] != -100
+    summed = nll[kept].sum()
+    with torch.no_grad():
+        mean = model(ids[None], labels=labels[None]).loss
+        over_items = model(ids[None], labels=labels[None], num_items_in_batch=torch.tensor(20)).loss
+    assert mean.item() == pytest.approx(summed.item() / kept.sum().item(), rel=1e-5)
+    assert over_items.item() == pytest.approx(summed.item() / 20, rel=1e-5)
