@@ -37,3 +37,14 @@ def test_loss_over_num_items_in_batch(model, ref_logits):
         over_items = model(ids[None], labels=labels[None], num_items_in_batch=torch.tensor(20)).loss
     assert mean.item() == pytest.approx(summed.item() / kept.sum().item(), rel=1e-5)
     assert over_items.item() == pytest.approx(summed.item() / 20, rel=1e-5)
+
+
+def test_logits_to_keep_as_positions(model):
+    """An int keeps the last positions; a tensor (transformers' other form) names the positions."""
+    ids = ids_of(9)[None]
+    with torch.no_grad():
+        full = model(ids).logits
+        last = model(ids, logits_to_keep=2).logits
+        picked = model(ids, logits_to_keep=torch.tensor([0, 3, 8])).logits
+    torch.testing.assert_close(last, full[:, -2:])
+    torch.testing.assert_close(picked, full[:, [0, 3, 8]])

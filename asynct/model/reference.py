@@ -195,10 +195,9 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache if cache is not None else past_key_values,
                          inputs_embeds=inputs_embeds, use_cache=use_cache)
-        h = out.last_hidden_state
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)
+        # an int keeps the last positions (0: all), a tensor names them, as in Llama
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(out.last_hidden_state[:, keep])
         loss = None
         if labels is not None:
             # transformers' causal LM loss: Trainer passes num_items_in_batch (the sum is divided by
