@@ -48,3 +48,14 @@ def test_logits_to_keep_as_positions(model):
         picked = model(ids, logits_to_keep=torch.tensor([0, 3, 8])).logits
     torch.testing.assert_close(last, full[:, -2:])
     torch.testing.assert_close(picked, full[:, [0, 3, 8]])
+
+
+def test_return_dict_false_gives_a_tuple(model):
+    """A ModelOutput came back: unpacking it gave its field names."""
+    ids = ids_of(6)[None]
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+        loss, logits = model(ids, labels=ids, return_dict=False)
+        hidden, = model.model(ids, return_dict=False)
+    assert torch.equal(loss, out.loss) and torch.equal(logits, out.logits)
+    assert torch.equal(hidden, model.model(ids).last_hidden_state)

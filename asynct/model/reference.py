@@ -9,6 +9,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from asynct.config import AsyncTConfig
 from asynct.ops.asynci import asynci_attention
@@ -153,6 +154,7 @@ class AsyncTModel(AsyncTPreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config)
         self.post_init()
 
+    @can_return_tuple  # return_dict=False: a tuple, as transformers' models return
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs):
         cache = cache if cache is not None else past_key_values
@@ -189,6 +191,7 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
     def get_input_embeddings(self):
         return self.model.embed_tokens
 
+    @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
                 past_key_values=None, **kwargs):
