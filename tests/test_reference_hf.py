@@ -59,3 +59,23 @@ def test_return_dict_false_gives_a_tuple(model):
         hidden, = model.model(ids, return_dict=False)
     assert torch.equal(loss, out.loss) and torch.equal(logits, out.logits)
     assert torch.equal(hidden, model.model(ids).last_hidden_state)
+
+
+def test_gradient_checkpointing(tiny_ckpt):
+    """Fine-tuning with activation checkpointing: the layers are recomputed in the backward pass
+    and the gradients are those of the plain backward pass."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).train()
+    ids = torch.stack([ids_of(10, 1), ids_of(10, 2)])
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    plain = grads()
+    calls = []
+    model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
+    model.gradient_checkpointing_enable()
+    checkpointed = grads()
+    assert len(calls) == 2   # forward, then the recompute in backward
+    for name, g in plain.items():
+        torch.testing.assert_close(checkpointed[name], g, msg=name)

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
@@ -90,7 +91,7 @@ class AsyncTAttention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
 
 
-class AsyncTDecoderLayer(nn.Module):
+class AsyncTDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: AsyncTConfig, layer_idx: int):
         super().__init__()
         p, c = f"model.layers.{layer_idx}", config.hidden_size
@@ -123,6 +124,7 @@ class AsyncTPreTrainedModel(PreTrainedModel):
     config: AsyncTConfig
     base_model_prefix = "model"
     _no_split_modules = ["AsyncTDecoderLayer"]
+    supports_gradient_checkpointing = True
     _supports_cache_class = True
 
     def _init_weights(self, module):
@@ -167,7 +169,8 @@ class AsyncTModel(AsyncTPreTrainedModel):
             position_ids = _positions(attention_mask, b, past, t, x.device)
         key_mask = attention_mask.bool() if attention_mask is not None else None
         for layer in self.layers:
-            x = layer(x, self.rotary_emb, position_ids, key_mask, cache)
+            # the cache by keyword: a checkpointed layer drops it, else its recompute appends again
+            x = layer(x, self.rotary_emb, position_ids, key_mask, cache=cache)
         return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_CACHE_FIELD: cache})
 
 
