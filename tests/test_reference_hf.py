@@ -79,3 +79,19 @@ def test_gradient_checkpointing(tiny_ckpt):
     assert len(calls) == 2   # forward, then the recompute in backward
     for name, g in plain.items():
         torch.testing.assert_close(checkpointed[name], g, msg=name)
+
+
+def test_output_hidden_states(model, tiny_ckpt):
+    """As transformers' models: the embeddings, then each layer's output, the last one after the
+    final norm. Layer 1's output, through the final norm and the head, is a 1-layer model's logits."""
+    ids = ids_of(8)
+    with torch.no_grad():
+        out = model(ids[None], output_hidden_states=True)
+        one_layer = model.lm_head(model.model.norm(out.hidden_states[1]))[0]
+        assert model(ids[None]).hidden_states is None
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert torch.equal(out.hidden_states[0], model.model.embed_tokens(ids[None]))
+    assert torch.equal(out.hidden_states[-1], model.model(ids[None]).last_hidden_state)
+    tensors = {k: v.double() for k, v in load_file(tiny_ckpt / "model.safetensors").items()}
+    config = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1})
+    torch.testing.assert_close(one_layer.double(), spec_oracle.forward(config, tensors, ids), rtol=1e-4, atol=1e-4)

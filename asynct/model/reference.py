@@ -158,7 +158,7 @@ class AsyncTModel(AsyncTPreTrainedModel):
 
     @can_return_tuple  # return_dict=False: a tuple, as transformers' models return
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, past_key_values=None, **kwargs):
+                inputs_embeds=None, use_cache=None, past_key_values=None, output_hidden_states=None, **kwargs):
         cache = cache if cache is not None else past_key_values
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = x.shape[:2]
@@ -168,10 +168,17 @@ class AsyncTModel(AsyncTPreTrainedModel):
         if position_ids is None:
             position_ids = _positions(attention_mask, b, past, t, x.device)
         key_mask = attention_mask.bool() if attention_mask is not None else None
+        hidden = [x]
         for layer in self.layers:
             # the cache by keyword: a checkpointed layer drops it, else its recompute appends again
             x = layer(x, self.rotary_emb, position_ids, key_mask, cache=cache)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **{_CACHE_FIELD: cache})
+            hidden.append(x)
+        x = self.norm(x)
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
+        # as transformers' models: the last hidden state is the one after the final norm
+        hidden_states = (*hidden[:-1], x) if output_hidden_states else None
+        return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden_states, **{_CACHE_FIELD: cache})
 
 
 def _positions(attention_mask, b, past, t, device):
@@ -197,10 +204,11 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                past_key_values=None, **kwargs):
+                past_key_values=None, output_hidden_states=None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache if cache is not None else past_key_values,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache)
+                         inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         output_hidden_states=output_hidden_states)
         # an int keeps the last positions (0: all), a tensor names them, as in Llama
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(out.last_hidden_state[:, keep])
@@ -209,7 +217,7 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
             # transformers' causal LM loss: Trainer passes num_items_in_batch (the sum is divided by
             # it) and then leaves the loss unscaled for gradient accumulation
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        return CausalLMOutputWithPast(loss=loss, logits=logits,
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
 
     @classmethod
