@@ -95,3 +95,23 @@ def test_output_hidden_states(model, tiny_ckpt):
     tensors = {k: v.double() for k, v in load_file(tiny_ckpt / "model.safetensors").items()}
     config = model.config.__class__(**{**model.config.to_dict(), "num_hidden_layers": 1})
     torch.testing.assert_close(one_layer.double(), spec_oracle.forward(config, tensors, ids), rtol=1e-4, atol=1e-4)
+
+
+def left_padded(prompts, pad=257):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_generate_with_a_static_cache(model, padded):
+    """cache_implementation="static" (the torch.compile path) failed deep in AsyncI: generate
+    passed a 4D mask, and the cache returns all its slots."""
+    prompts = [ids_of(n, n) for n in (3, 8, 5)] if padded else [ids_of(8)]
+    ids, mask = left_padded(prompts)
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=257)
+    dynamic = model.generate(ids, **kw)
+    assert torch.equal(model.generate(ids, cache_implementation="static", **kw), dynamic)

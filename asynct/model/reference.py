@@ -85,6 +85,8 @@ class AsyncTAttention(nn.Module):
         if cache is not None:
             past = cache.get_seq_length(self.layer_idx)
             k, v = cache.update(k, v, self.layer_idx)
+            if key_mask is not None:   # a static cache returns all its slots, the unwritten ones too
+                key_mask = F.pad(key_mask, (0, k.shape[2] - key_mask.shape[1]))
         cfg = self.config
         o = asynci_attention(q, k, v, self.sigma, cfg.scale, cfg.asynci_pool_size,
                              cfg.asynci_relu_pre, key_mask=key_mask, q_offset=past)
@@ -219,6 +221,11 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states,
                                       **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)})
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """generate() would turn the padding mask into a 4D one for a static cache; positions and
+        AsyncI's key mask are read from the 2D one."""
+        return attention_mask
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
