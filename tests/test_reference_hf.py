@@ -115,3 +115,9 @@ def test_generate_with_a_static_cache(model, padded):
     kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=257)
     dynamic = model.generate(ids, **kw)
     assert torch.equal(model.generate(ids, cache_implementation="static", **kw), dynamic)
+
+
+def test_output_attentions_is_refused(model):
+    """It was ignored: attentions came back None, read as "no attention" by interpretability code."""
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(ids_of(4)[None], output_attentions=True)

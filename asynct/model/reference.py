@@ -160,7 +160,10 @@ class AsyncTModel(AsyncTPreTrainedModel):
 
     @can_return_tuple  # return_dict=False: a tuple, as transformers' models return
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
-                inputs_embeds=None, use_cache=None, past_key_values=None, output_hidden_states=None, **kwargs):
+                inputs_embeds=None, use_cache=None, past_key_values=None, output_hidden_states=None,
+                output_attentions=None, **kwargs):
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError("output_attentions: the AsyncT reference model does not return AsyncI's weights")
         cache = cache if cache is not None else past_key_values
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, t = x.shape[:2]
@@ -206,11 +209,11 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
     @can_return_tuple
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
-                past_key_values=None, output_hidden_states=None, **kwargs):
+                past_key_values=None, output_hidden_states=None, output_attentions=None, **kwargs):
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache if cache is not None else past_key_values,
                          inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         # an int keeps the last positions (0: all), a tensor names them, as in Llama
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(out.last_hidden_state[:, keep])
