@@ -108,11 +108,11 @@ def test_chat_renders_with_the_template_and_generates(llm):
     out = llm.chat(MESSAGES, greedy, use_tqdm=False)
     assert len(out) == 1 and out[0].prompt == want
     assert out[0].outputs[0].text == llm.generate([want], greedy, use_tqdm=False)[0].outputs[0].text
-    # a list of conversations; OpenAI's text parts; no generation prompt
+    # a list of conversations; OpenAI's text parts (a part a line, as vLLM); no generation prompt
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}]
     outs = llm.chat([MESSAGES, parts], greedy, use_tqdm=False, add_generation_prompt=False)
     assert [o.prompt for o in outs] == [tok.apply_chat_template(m, tokenize=False) for m in
-                                        (MESSAGES, [{"role": "user", "content": "Hi there"}])]
+                                        (MESSAGES, [{"role": "user", "content": "Hi \nthere"}])]
     # a template of the caller's own
     template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}> "
     assert llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=template)[0].prompt == \

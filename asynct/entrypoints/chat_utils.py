@@ -32,18 +32,20 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
                          "or use LLM.generate with a prompt")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
-    return [tokenizer.apply_chat_template([_flatten(m) for m in conv], chat_template=template, tokenize=False,
+    return [tokenizer.apply_chat_template([flatten(m) for m in conv], chat_template=template, tokenize=False,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message, tools=tools,
                                           **(chat_template_kwargs or {}))
             for conv in conversations]
 
 
-def _flatten(message: dict) -> dict:
-    """OpenAI's content parts [{"type": "text", "text": ...}, ...] become one string."""
+def flatten(message: dict) -> dict:
+    """OpenAI's content parts [{"type": "text", "text": ...}, ...] become one string, a part a
+    line, as vLLM joins them for a template that takes content as a string."""
     content = message.get("content")
     if isinstance(content, list):
-        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
-            raise ValueError("only text content parts are supported")
-        return {**message, "content": "".join(p.get("text") or "" for p in content)}
+        if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+               for p in content):
+            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": \"...\"}) are supported")
+        return {**message, "content": "\n".join(p["text"] for p in content)}
     return message

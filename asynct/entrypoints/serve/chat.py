@@ -22,6 +22,9 @@ def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwarg
     check_template_kwargs(ctx, kwargs or {})
     try:
         msgs = [m.for_template() for m in messages]
+    except ValueError as e:
+        raise ApiError(400, str(e), param="messages") from None
+    try:
         # as vLLM: chat_template_kwargs may set the template's `tools` too, and win
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None,
                   **(kwargs or {})}

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from asynct.engine.sampling_params import SamplingParams, SamplingParamsError
+from asynct.entrypoints.chat_utils import flatten
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0      # OpenAI's cap
@@ -139,12 +140,8 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict:
-        d = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            if any(p.type != "text" or p.text is None for p in self.content):
-                raise ValueError("only text content parts are supported")
-            d["content"] = "".join(p.text for p in self.content)
-        return d
+        """As LLM.chat renders it; ValueError for content parts other than text."""
+        return flatten(self.model_dump(exclude_none=True))
 
 
 class FunctionDefinition(BaseModel):

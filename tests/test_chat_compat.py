@@ -1,0 +1,45 @@
+"""Chat as vLLM's users meet it, on `LLM.chat` and /v1/chat/completions alike: content parts,
+assistant tool calls, and the request fields that change the rendered prompt or the answer."""
+import httpx
+import pytest
+
+from asynct import LLM, SamplingParams
+from asynct.entrypoints.serve.api_server import make_app
+from asynct.entrypoints.serve.launch import ServerThread
+
+ONE = SamplingParams(temperature=0, max_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    return LLM(tiny_ckpt)
+
+
+@pytest.fixture(scope="module")
+def url(tiny_ckpt):
+    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny", log_stats_interval=None)) as u:
+        yield u
+
+
+def post(url, path, body) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60)
+
+
+def prompt_ids(url, messages, **extra) -> list[int]:
+    r = post(url, "/tokenize", {"messages": messages, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def test_text_parts_are_joined_a_part_a_line(llm, url):
+    """As vLLM: several text parts of one message are one string, joined with newlines; they
+    were joined with nothing ("Hi " + "there"), a prompt vLLM never renders."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}]
+    joined = [{"role": "user", "content": "Hi\nthere"}]
+    assert llm.chat(parts, ONE, use_tqdm=False)[0].prompt == llm.chat(joined, ONE, use_tqdm=False)[0].prompt
+    assert prompt_ids(url, parts) == prompt_ids(url, joined)
+    r = post(url, "/v1/chat/completions", {"messages": parts, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt_ids(url, joined))
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    err = post(url, "/v1/chat/completions", {"messages": image}).json()["error"]
+    assert err["param"] == "messages" and "only text content parts" in err["message"]
