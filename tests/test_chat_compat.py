@@ -8,6 +8,10 @@ from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
+# the server's --chat-template: messages, and an assistant's tool calls as templates write them
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+            "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.city }})]{% endfor %}"
+            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +21,8 @@ def llm(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def url(tiny_ckpt):
-    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny", log_stats_interval=None)) as u:
+    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE,
+                                  log_stats_interval=None)) as u:
         yield u
 
 
@@ -43,3 +48,24 @@ def test_text_parts_are_joined_a_part_a_line(llm, url):
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     err = post(url, "/v1/chat/completions", {"messages": image}).json()["error"]
     assert err["param"] == "messages" and "only text content parts" in err["message"]
+
+
+def call(arguments) -> dict:
+    return {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
+
+
+def test_tool_call_arguments_reach_the_template_as_a_dict(llm, url):
+    """As vLLM: an assistant's tool call arguments, a JSON string in OpenAI's API, are parsed for
+    the template (tool-use templates read them as a dict); the template got the string, so
+    `arguments.city` rendered nothing. Arguments that are not JSON are a 400 naming messages."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call('{"city": "Paris"}')]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    want = "<user>hi<assistant>[weather(Paris)]<tool>sunny<assistant>"
+    assert llm.chat(messages, ONE, use_tqdm=False, chat_template=TEMPLATE)[0].prompt == want
+    assert bytes(prompt_ids(url, messages)).decode() == want
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'     # the caller's, untouched
+    bad = [messages[0], {"role": "assistant", "tool_calls": [call("{city")]}]
+    err = post(url, "/v1/chat/completions", {"messages": bad}).json()["error"]
+    assert err["param"] == "messages" and "not JSON" in err["message"]
+    with pytest.raises(ValueError, match="not JSON"):
+        llm.chat(bad, ONE, use_tqdm=False, chat_template=TEMPLATE)

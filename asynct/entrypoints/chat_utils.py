@@ -1,5 +1,6 @@
 """Chat templates as vLLM takes them: `--chat-template` is a file or the template itself, and
 `LLM.chat` renders conversations with the tokenizer's template (or one given)."""
+import json
 from pathlib import Path
 
 JINJA_CHARS = "{}\n"      # vLLM's test: a template has these, a file name has not
@@ -32,14 +33,19 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
                          "or use LLM.generate with a prompt")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
-    return [tokenizer.apply_chat_template([flatten(m) for m in conv], chat_template=template, tokenize=False,
+    return [tokenizer.apply_chat_template([template_message(m) for m in conv], chat_template=template, tokenize=False,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message, tools=tools,
                                           **(chat_template_kwargs or {}))
             for conv in conversations]
 
 
-def flatten(message: dict) -> dict:
+def template_message(message: dict) -> dict:
+    """An OpenAI message as vLLM hands it to a chat template; ValueError where it cannot."""
+    return _tool_arguments_as_dicts(_parts_as_text(message))
+
+
+def _parts_as_text(message: dict) -> dict:
     """OpenAI's content parts [{"type": "text", "text": ...}, ...] become one string, a part a
     line, as vLLM joins them for a template that takes content as a string."""
     content = message.get("content")
@@ -49,3 +55,27 @@ def flatten(message: dict) -> dict:
             raise ValueError("only text content parts ({\"type\": \"text\", \"text\": \"...\"}) are supported")
         return {**message, "content": "\n".join(p["text"] for p in content)}
     return message
+
+
+def _tool_arguments_as_dicts(message: dict) -> dict:
+    """OpenAI sends an assistant's tool call arguments as a JSON string; tool-use templates (and
+    vLLM, which parses them) take a dict: `arguments|items` fails on a string, `tojson` quotes it."""
+    calls = message.get("tool_calls")
+    if message.get("role") != "assistant" or not isinstance(calls, list):
+        return message
+    if not calls:        # an empty list would take a template's tool-call branch
+        return {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**message, "tool_calls": [_parsed_call(c) for c in calls]}
+
+
+def _parsed_call(call) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise ValueError('a tool call is {"type": "function", "function": {"name": ..., "arguments": ...}}')
+    arguments = function.get("arguments") or {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tool call arguments are not JSON: {e}") from None
+    return {**call, "function": {**function, "arguments": arguments}}

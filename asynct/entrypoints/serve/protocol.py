@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from asynct.engine.sampling_params import SamplingParams, SamplingParamsError
-from asynct.entrypoints.chat_utils import flatten
+from asynct.entrypoints.chat_utils import template_message
 
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0      # OpenAI's cap
@@ -140,8 +140,8 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def for_template(self) -> dict:
-        """As LLM.chat renders it; ValueError for content parts other than text."""
-        return flatten(self.model_dump(exclude_none=True))
+        """As LLM.chat renders it; ValueError where it cannot be."""
+        return template_message(self.model_dump(exclude_none=True))
 
 
 class FunctionDefinition(BaseModel):
