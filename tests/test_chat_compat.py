@@ -8,10 +8,11 @@ from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
 ONE = SamplingParams(temperature=0, max_tokens=1)
-# the server's --chat-template: messages, and an assistant's tool calls as templates write them
+# the server's --chat-template: messages, each closed by "|", and an assistant's tool calls as
+# templates write them
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
             "{% for c in m.tool_calls or [] %}[{{ c.function.name }}({{ c.function.arguments.city }})]{% endfor %}"
-            "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+            "|{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,7 @@ def test_tool_call_arguments_reach_the_template_as_a_dict(llm, url):
     `arguments.city` rendered nothing. Arguments that are not JSON are a 400 naming messages."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call('{"city": "Paris"}')]},
                 {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
-    want = "<user>hi<assistant>[weather(Paris)]<tool>sunny<assistant>"
+    want = "<user>hi|<assistant>[weather(Paris)]|<tool>sunny|<assistant>"
     assert llm.chat(messages, ONE, use_tqdm=False, chat_template=TEMPLATE)[0].prompt == want
     assert bytes(prompt_ids(url, messages)).decode() == want
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'     # the caller's, untouched
@@ -69,3 +70,20 @@ def test_tool_call_arguments_reach_the_template_as_a_dict(llm, url):
     assert err["param"] == "messages" and "not JSON" in err["message"]
     with pytest.raises(ValueError, match="not JSON"):
         llm.chat(bad, ONE, use_tqdm=False, chat_template=TEMPLATE)
+
+
+def test_continue_final_message(llm, url):
+    """As vLLM's continue_final_message: the last message is left open (no "|" closing it) for the
+    model to continue; the field was ignored, the prompt closed it. With add_generation_prompt
+    (true unless told) it is a 400, as vLLM's."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    want = "<user>hi|<assistant>Hel"
+    assert llm.chat(messages, ONE, use_tqdm=False, chat_template=TEMPLATE, add_generation_prompt=False,
+                    continue_final_message=True)[0].prompt == want
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    assert bytes(prompt_ids(url, messages, **options)).decode() == want
+    r = post(url, "/v1/chat/completions", {"messages": messages, **options, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(want)
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = post(url, path, {"messages": messages, "continue_final_message": True}).json()["error"]
+        assert err["param"] == "continue_final_message" and "add_generation_prompt" in err["message"]

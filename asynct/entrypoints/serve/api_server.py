@@ -74,8 +74,7 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         ctx.check_model(body.model)
         ctx.need_tokenizer("/tokenize")
         if body.messages is not None:
-            ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt,
-                                     body.chat_template_kwargs, body.tools, body.special_tokens)
+            ids = await ctx.off_loop(render_chat, ctx, body, body.special_tokens)
         elif body.prompt is not None:
             ids = await ctx.off_loop(ctx.encode, body.prompt, body.special_tokens)
         else:

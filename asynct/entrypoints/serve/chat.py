@@ -8,28 +8,32 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError
-from asynct.entrypoints.serve.protocol import ChatCompletionRequest
+from asynct.entrypoints.serve.protocol import ChatCompletionRequest, ChatTemplateFields
 from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
                                               collect, error_body, finite, request_id, sse, usage)
 
 
-def render_chat(ctx: ServingContext, messages, add_generation_prompt=True, kwargs=None, tools=None,
-                add_special_tokens=False) -> list[int]:
+def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_tokens: bool) -> list[int]:
+    """`body.messages` rendered as `body` asks (a chat or /tokenize request)."""
     ctx.need_tokenizer("chat")
     if not getattr(ctx.tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template, so /v1/chat/completions "
                             "cannot format messages: use /v1/completions with a prompt")
-    check_template_kwargs(ctx, kwargs or {})
+    if body.add_generation_prompt and body.continue_final_message:
+        raise ApiError(400, "continue_final_message needs add_generation_prompt: false (the last message is "
+                            "continued, no new one begins)", param="continue_final_message")
+    kwargs = body.chat_template_kwargs or {}
+    check_template_kwargs(ctx, kwargs)
     try:
-        msgs = [m.for_template() for m in messages]
+        msgs = [m.for_template() for m in body.messages]
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
     try:
         # as vLLM: chat_template_kwargs may set the template's `tools` too, and win
-        kwargs = {"tools": [t.model_dump(exclude_none=True) for t in tools] if tools is not None else None,
-                  **(kwargs or {})}
-        text = ctx.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 **kwargs)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
+        text = ctx.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                                                 continue_final_message=body.continue_final_message,
+                                                 **{"tools": tools, **kwargs})
     except ApiError:
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
@@ -57,8 +61,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         params = body.to_params()
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
-    ids = await ctx.off_loop(render_chat, ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                             body.tools, body.add_special_tokens)
+    ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)
     ctx.check_prompt(ids, params, body)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)

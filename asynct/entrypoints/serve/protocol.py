@@ -157,15 +157,20 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Body):
+    """How messages are rendered: the chat route's, and /tokenize's so that its count is the route's."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False      # vLLM's: the last message stays open, to be continued
+    chat_template_kwargs: dict | None = None
+    tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None
-    tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
     tool_choice: Literal["none", "auto"] | None = None
     add_special_tokens: bool = False      # vLLM's: the template writes BOS itself
 
@@ -181,14 +186,11 @@ class ChatCompletionRequest(SamplingFields):
         return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
 
 
-class TokenizeRequest(Body):
+class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None       # unset: as the route that takes them (special_tokens)
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict | None = None     # messages are rendered as the chat route renders them
-    tools: list[Tool] | None = None
 
     @property
     def special_tokens(self) -> bool:
