@@ -21,9 +21,13 @@ def llm(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
-def url(tiny_ckpt):
-    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE,
-                                  log_stats_interval=None)) as u:
+def app(tiny_ckpt):
+    return make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None)
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    with ServerThread(app) as u:
         yield u
 
 
@@ -87,3 +91,20 @@ def test_continue_final_message(llm, url):
     for path in ("/v1/chat/completions", "/tokenize"):
         err = post(url, path, {"messages": messages, "continue_final_message": True}).json()["error"]
         assert err["param"] == "continue_final_message" and "add_generation_prompt" in err["message"]
+
+
+def test_a_request_chat_template_is_rendered_or_refused(app, url):
+    """vLLM's request field chat_template was ignored: the server's template rendered the
+    messages. As vLLM, a server that does not trust request templates refuses it with a 400, and
+    one that does (--trust-request-chat-template) renders with it."""
+    messages = [{"role": "user", "content": "hi"}]
+    body = {"messages": messages, "chat_template": "[{{ messages[0].content }}]", "max_tokens": 1}
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = post(url, path, body).json()["error"]
+        assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
+    app.state.limits.trust_request_chat_template = True
+    try:
+        assert bytes(prompt_ids(url, messages, chat_template=body["chat_template"])).decode() == "[hi]"
+        assert post(url, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"] == len("[hi]")
+    finally:
+        app.state.limits.trust_request_chat_template = False

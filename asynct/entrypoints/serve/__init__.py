@@ -60,7 +60,7 @@ def add_limit_args(p):
                    help="longer text prompts get 400 before tokenising (default: the most characters "
                         "max_model_len tokens can spell)")
     g.add_argument("--trust-request-chat-template", action="store_true",
-                   help="render chat templates sent in requests (chat_template_kwargs.chat_template)")
+                   help="render chat templates sent in requests (chat_template, chat_template_kwargs.chat_template)")
     g.add_argument("--render-timeout", type=float, default=d.render_timeout,
                    help="seconds to tokenise a prompt or render a chat template; then 400")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout,

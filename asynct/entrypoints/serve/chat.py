@@ -16,14 +16,14 @@ from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, S
 def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_tokens: bool) -> list[int]:
     """`body.messages` rendered as `body` asks (a chat or /tokenize request)."""
     ctx.need_tokenizer("chat")
-    if not getattr(ctx.tokenizer, "chat_template", None):
+    kwargs = body.template_kwargs()
+    check_template_kwargs(ctx, kwargs)
+    if not kwargs.get("chat_template") and not getattr(ctx.tokenizer, "chat_template", None):
         raise ApiError(400, "this model's tokenizer has no chat template, so /v1/chat/completions "
                             "cannot format messages: use /v1/completions with a prompt")
     if body.add_generation_prompt and body.continue_final_message:
         raise ApiError(400, "continue_final_message needs add_generation_prompt: false (the last message is "
                             "continued, no new one begins)", param="continue_final_message")
-    kwargs = body.chat_template_kwargs or {}
-    check_template_kwargs(ctx, kwargs)
     try:
         msgs = [m.for_template() for m in body.messages]
     except ValueError as e:

@@ -161,8 +161,14 @@ class ChatTemplateFields(Body):
     """How messages are rendered: the chat route's, and /tokenize's so that its count is the route's."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False      # vLLM's: the last message stays open, to be continued
+    chat_template: str | None = None          # vLLM's: in place of the server's (trusted servers only)
     chat_template_kwargs: dict | None = None
     tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
+
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs, with the request's chat_template where it has one (the kwargs' wins)."""
+        kwargs = self.chat_template_kwargs or {}
+        return kwargs if self.chat_template is None else {"chat_template": self.chat_template, **kwargs}
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
