@@ -108,3 +108,22 @@ def test_a_request_chat_template_is_rendered_or_refused(app, url):
         assert post(url, "/v1/chat/completions", body).json()["usage"]["prompt_tokens"] == len("[hi]")
     finally:
         app.state.limits.trust_request_chat_template = False
+
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "required", {"type": "function", "function": {"name": "weather"}}])
+def test_tool_choice_other_than_none_is_a_400(url, choice):
+    """As vLLM without --enable-auto-tool-choice: no tool call parser, so tool_choice "auto" (the
+    default where tools are given), "required" or a named function is a 400; "auto" answered 200
+    with the model's call as plain content, read by clients as "no call"."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 1}
+    if choice is not None:
+        body["tool_choice"] = choice
+    err = post(url, "/v1/chat/completions", body).json()["error"]
+    assert err["param"] == "tool_choice" and "'none'" in err["message"]
+    assert post(url, "/v1/chat/completions", {**body, "tool_choice": "none"}).status_code == 200
+    no_tools = {k: v for k, v in body.items() if k != "tools"}
+    if choice is not None:
+        assert "needs tools" in post(url, "/v1/chat/completions", no_tools).json()["error"]["message"]

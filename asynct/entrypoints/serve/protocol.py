@@ -177,7 +177,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     add_special_tokens: bool = False      # vLLM's: the template writes BOS itself
 
     def api_param(self, field: str) -> str:
@@ -186,10 +186,28 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return {"logprobs": "top_logprobs", "prompt": "messages"}.get(field, field)
 
     def to_params(self) -> SamplingParams:
+        self._check_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
+
+
+    def _check_tool_choice(self):
+        """As vLLM without --enable-auto-tool-choice: tools are only rendered (tool_choice "none"), as
+        asynct has no tool call parser to return the model's calls as `tool_calls`, nor guided
+        decoding to force one; a client told "auto" works would read a call as plain content."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return
+        if not self.tools:
+            raise Unsupported("tool_choice", "tool_choice needs tools")
+        name = "naming a function" if isinstance(choice, dict) else repr(choice)
+        if self.tool_choice is None:
+            name += " (the default with tools)"
+        raise Unsupported("tool_choice", f"tool_choice {name} is not supported: asynct has no tool call parser "
+                                         "(vLLM's --enable-auto-tool-choice); send tool_choice 'none' to have the "
+                                         "chat template render the tools and the answer come as text")
 
 
 class TokenizeRequest(ChatTemplateFields):
