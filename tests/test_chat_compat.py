@@ -1,5 +1,7 @@
 """Chat as vLLM's users meet it, on `LLM.chat` and /v1/chat/completions alike: content parts,
 assistant tool calls, and the request fields that change the rendered prompt or the answer."""
+import json
+
 import httpx
 import pytest
 
@@ -127,3 +129,23 @@ def test_tool_choice_other_than_none_is_a_400(url, choice):
     no_tools = {k: v for k, v in body.items() if k != "tools"}
     if choice is not None:
         assert "needs tools" in post(url, "/v1/chat/completions", no_tools).json()["error"]["message"]
+
+
+def test_echo_puts_the_continued_message_in_front(url):
+    """As vLLM's echo: where the answer continues the last message (no generation prompt, or an
+    assistant message last), that message's content comes first, streamed or not; it was ignored."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True,
+            "max_tokens": 4, "temperature": 0}
+    plain = post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = post(url, "/v1/chat/completions", {**body, "echo": True}).json()["choices"][0]["message"]["content"]
+    assert echoed == "Hel" + plain
+    with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "echo": True, "stream": True, "n": 2,
+                                                                  "temperature": 1, "seed": 0}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = ["".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i)
+             for i in (0, 1)]
+    assert all(t.startswith("Hel") and len(t) > 3 for t in texts)
+    asked = {"messages": messages[:1], "echo": True, "max_tokens": 4, "temperature": 0}      # a new answer
+    assert post(url, "/v1/chat/completions", asked).json()["choices"][0]["message"]["content"] == \
+        post(url, "/v1/chat/completions", {**asked, "echo": False}).json()["choices"][0]["message"]["content"]

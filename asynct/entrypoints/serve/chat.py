@@ -74,6 +74,7 @@ class Chat:
     def __init__(self, ctx, body: ChatCompletionRequest, params, rid: str, num_prompt_tokens: int):
         self.ctx, self.body, self.params, self.id = ctx, body, params, rid
         self.num_prompt_tokens = num_prompt_tokens
+        self.echo = body.echoed()
         self.created = int(time.time())
 
     def _head(self, obj: str, choices) -> dict:
@@ -81,7 +82,7 @@ class Chat:
                 "choices": choices}
 
     def response(self, out) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": self.echo + c.text},
                     "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
         n = sum(len(c.token_ids) for c in out.outputs)
@@ -114,6 +115,9 @@ class Chat:
             first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
             head = sse(self._head("chat.completion.chunk", [first]))
+            if self.echo:
+                echo = {**first, "delta": {"content": self.echo}}
+                head += sse(self._head("chat.completion.chunk", [echo]))
         else:
             head = ""
         d = streams[c.index].delta(c)

@@ -178,6 +178,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    echo: bool = False        # vLLM's: the answer starts with the last message, where it continues it
     add_special_tokens: bool = False      # vLLM's: the template writes BOS itself
 
     def api_param(self, field: str) -> str:
@@ -192,6 +193,14 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
 
+
+    def echoed(self) -> str:
+        """What echo puts in front of the answer: as vLLM, the last message's content where the
+        answer is of its role (always, without a generation prompt: the template continues it)."""
+        last = self.messages[-1]
+        if not self.echo or (self.add_generation_prompt and last.role != "assistant"):
+            return ""
+        return last.for_template().get("content") or ""
 
     def _check_tool_choice(self):
         """As vLLM without --enable-auto-tool-choice: tools are only rendered (tool_choice "none"), as
