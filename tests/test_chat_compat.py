@@ -149,3 +149,19 @@ def test_echo_puts_the_continued_message_in_front(url):
     asked = {"messages": messages[:1], "echo": True, "max_tokens": 4, "temperature": 0}      # a new answer
     assert post(url, "/v1/chat/completions", asked).json()["choices"][0]["message"]["content"] == \
         post(url, "/v1/chat/completions", {**asked, "echo": False}).json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"prompt": "hi"}),
+])
+def test_continuous_usage_stats(url, path, body):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage) puts the usage so far in
+    every chunk; it was ignored: only the last chunk had usage."""
+    body = {**body, "max_tokens": 5, "n": 2, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 10
+    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1

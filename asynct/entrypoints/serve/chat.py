@@ -114,10 +114,9 @@ class Chat:
             streams[c.index] = TextStream(self.params)
             first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
-            head = sse(self._head("chat.completion.chunk", [first]))
+            head = self._sse_chunk(first, generated)
             if self.echo:
-                echo = {**first, "delta": {"content": self.echo}}
-                head += sse(self._head("chat.completion.chunk", [echo]))
+                head += self._sse_chunk({**first, "delta": {"content": self.echo}}, generated)
         else:
             head = ""
         d = streams[c.index].delta(c)
@@ -129,7 +128,13 @@ class Chat:
                   "logprobs": self._logprobs(c, start, end), "finish_reason": c.finish_reason}
         if c.finished:
             choice["stop_reason"] = c.stop_reason
-        return head + sse(self._head("chat.completion.chunk", [choice]))
+        return head + self._sse_chunk(choice, generated)
+
+    def _sse_chunk(self, choice, generated) -> str:
+        chunk = self._head("chat.completion.chunk", [choice])
+        if self.body.continuous_usage:     # the request's tokens so far, as vLLM counts them
+            chunk["usage"] = usage(self.num_prompt_tokens, sum(generated.values()))
+        return sse(chunk)
 
 
 def chat_token(tid, entry, k) -> dict:

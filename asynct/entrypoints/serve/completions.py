@@ -114,7 +114,10 @@ class Completion:
         choice["finish_reason"] = c.finish_reason
         if c.finished:
             choice["stop_reason"] = c.stop_reason
-        return sse(self._head([choice]))
+        chunk = self._head([choice])
+        if self.body.continuous_usage:     # the request's tokens so far, as vLLM counts them
+            chunk["usage"] = usage(sum(map(len, self.ids)), sum(generated.values()))
+        return sse(chunk)
 
 
 def token_row(tid, entry):

@@ -33,6 +33,7 @@ class Body(BaseModel):
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False      # vLLM's: with include_usage, usage in every chunk too
 
 
 class SamplingFields(Body):
@@ -95,6 +96,10 @@ class SamplingFields(Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):
