@@ -198,7 +198,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
 
-
     def echoed(self) -> str:
         """What echo puts in front of the answer: as vLLM, the last message's content where the
         answer is of its role (always, without a generation prompt: the template continues it)."""
