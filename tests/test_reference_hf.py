@@ -121,3 +121,21 @@ def test_output_attentions_is_refused(model):
     """It was ignored: attentions came back None, read as "no attention" by interpretability code."""
     with pytest.raises(ValueError, match="output_attentions"):
         model(ids_of(4)[None], output_attentions=True)
+
+
+def test_layer_outputs_are_freed_without_output_hidden_states(model):
+    """Every layer's output was kept to the end of the forward, asked for or not: under no_grad
+    (lm-eval, generate) that is a copy of the hidden state per layer, so lm-eval's batch_size auto
+    and bench's largest batch that fits were smaller."""
+    import weakref
+    first, alive = [], []
+    hooks = [model.model.layers[0].register_forward_hook(lambda m, a, out: first.append(weakref.ref(out))),
+             model.model.norm.register_forward_pre_hook(lambda m, a: alive.append(first[-1]() is not None))]
+    try:
+        with torch.no_grad():
+            model(ids_of(6)[None])
+            model(ids_of(6)[None], output_hidden_states=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert alive == [False, True]

@@ -173,16 +173,17 @@ class AsyncTModel(AsyncTPreTrainedModel):
         if position_ids is None:
             position_ids = _positions(attention_mask, b, past, t, x.device)
         key_mask = attention_mask.bool() if attention_mask is not None else None
-        hidden = [x]
-        for layer in self.layers:
-            # the cache by keyword: a checkpointed layer drops it, else its recompute appends again
-            x = layer(x, self.rotary_emb, position_ids, key_mask, cache=cache)
-            hidden.append(x)
-        x = self.norm(x)
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        hidden = []      # only when asked: under no_grad each layer's output is freed by the next
+        for layer in self.layers:
+            if output_hidden_states:
+                hidden.append(x)
+            # the cache by keyword: a checkpointed layer drops it, else its recompute appends again
+            x = layer(x, self.rotary_emb, position_ids, key_mask, cache=cache)
+        x = self.norm(x)
         # as transformers' models: the last hidden state is the one after the final norm
-        hidden_states = (*hidden[:-1], x) if output_hidden_states else None
+        hidden_states = (*hidden, x) if output_hidden_states else None
         return BaseModelOutputWithPast(last_hidden_state=x, hidden_states=hidden_states, **{_CACHE_FIELD: cache})
 
 
