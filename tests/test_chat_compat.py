@@ -131,6 +131,15 @@ def test_tool_choice_other_than_none_is_a_400(url, choice):
         assert "needs tools" in post(url, "/v1/chat/completions", no_tools).json()["error"]["message"]
 
 
+def test_tool_choice_null_renders_the_tools(url):
+    """As vLLM: "auto" is the default only where tool_choice is not sent; sent as null (clients
+    that write every field) it renders the tools and answers, as "none" does. It was a 400."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, "max_tokens": 1}
+    r = post(url, "/v1/chat/completions", {**body, "tool_choice": None})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"] == post(url, "/v1/chat/completions", {**body, "tool_choice": "none"}).json()["usage"]
+
+
 def test_echo_puts_the_continued_message_in_front(url):
     """As vLLM's echo: where the answer continues the last message (no generation prompt, or an
     assistant message last), that message's content comes first, streamed or not; it was ignored."""

@@ -210,7 +210,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         """As vLLM without --enable-auto-tool-choice: tools are only rendered (tool_choice "none"), as
         asynct has no tool call parser to return the model's calls as `tool_calls`, nor guided
         decoding to force one; a client told "auto" works would read a call as plain content."""
-        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        # as vLLM: "auto" is the default only where the field is absent; sent as null it is "none"
+        default = "auto" if self.tools and "tool_choice" not in self.model_fields_set else "none"
+        choice = self.tool_choice if self.tool_choice is not None else default
         if choice == "none":
             return
         if not self.tools:
