@@ -162,15 +162,23 @@ def test_echo_puts_the_continued_message_in_front(url):
 
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/completions", {"prompt": ["hi", "a longer prompt"]}),
 ])
 def test_continuous_usage_stats(url, path, body):
-    """vLLM's stream_options.continuous_usage_stats (with include_usage) puts the usage so far in
-    every chunk; it was ignored: only the last chunk had usage."""
-    body = {**body, "max_tokens": 5, "n": 2, "ignore_eos": True, "stream": True,
+    """vLLM's stream_options.continuous_usage_stats (with include_usage) puts usage in every
+    chunk; it was ignored: only the last chunk had usage. As vLLM's, a chunk's usage is its
+    choice's (its prompt's tokens, that choice's tokens so far); the last chunk sums the request."""
+    n = 2
+    body = {**body, "max_tokens": 5, "n": n, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     with httpx.stream("POST", url + path, json=body, timeout=60) as r:
-        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    counts = [c["usage"]["completion_tokens"] for c in chunks]
-    assert counts == sorted(counts) and counts[-1] == 10
-    assert len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
+        *chunks, last = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    tokens, prompts = {}, {}
+    for c in chunks:
+        index = c["choices"][0]["index"]
+        tokens.setdefault(index, []).append(c["usage"]["completion_tokens"])
+        prompts.setdefault(index // n, set()).add(c["usage"]["prompt_tokens"])
+    assert all(t == sorted(t) and t[-1] == 5 for t in tokens.values())
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 5 * len(tokens)
+    assert all(len(p) == 1 for p in prompts.values())
+    assert sum(p.pop() for p in prompts.values()) == last["usage"]["prompt_tokens"]

@@ -132,8 +132,8 @@ class Chat:
 
     def _sse_chunk(self, choice, generated) -> str:
         chunk = self._head("chat.completion.chunk", [choice])
-        if self.body.continuous_usage:     # the request's tokens so far, as vLLM counts them
-            chunk["usage"] = usage(self.num_prompt_tokens, sum(generated.values()))
+        if self.body.continuous_usage:     # as vLLM's: the prompt's tokens and this choice's so far
+            chunk["usage"] = usage(self.num_prompt_tokens, generated.get(choice["index"], 0))
         return sse(chunk)
 
 

@@ -115,8 +115,8 @@ class Completion:
         if c.finished:
             choice["stop_reason"] = c.stop_reason
         chunk = self._head([choice])
-        if self.body.continuous_usage:     # the request's tokens so far, as vLLM counts them
-            chunk["usage"] = usage(sum(map(len, self.ids)), sum(generated.values()))
+        if self.body.continuous_usage:     # as vLLM's: this choice's prompt and its tokens so far
+            chunk["usage"] = usage(len(self.ids[i]), generated[key])
         return sse(chunk)
 
 
