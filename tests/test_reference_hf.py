@@ -61,6 +61,16 @@ def test_return_dict_false_gives_a_tuple(model):
     assert torch.equal(hidden, model.model(ids).last_hidden_state)
 
 
+def test_return_dict_false_in_the_config_gives_a_tuple(tiny_ckpt):
+    """The config's return_dict=False made the inner model return a tuple too, which the causal LM
+    read as an output: AttributeError 'tuple' object has no attribute 'last_hidden_state'."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32, return_dict=False).eval()
+    ids = ids_of(6)[None]
+    with torch.no_grad():
+        logits, _ = model(ids, use_cache=True)
+        assert torch.equal(logits, model(ids, return_dict=True).logits)
+
+
 def test_gradient_checkpointing(tiny_ckpt):
     """Fine-tuning with activation checkpointing: the layers are recomputed in the backward pass
     and the gradients are those of the plain backward pass."""

@@ -211,9 +211,10 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0,
                 past_key_values=None, output_hidden_states=None, output_attentions=None, **kwargs):
+        # return_dict: the config's False is for this forward's caller, not for reading `out`
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          cache=cache if cache is not None else past_key_values,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, return_dict=True,
                          output_hidden_states=output_hidden_states, output_attentions=output_attentions)
         # an int keeps the last positions (0: all), a tensor names them, as in Llama
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
