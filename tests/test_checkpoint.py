@@ -130,33 +130,22 @@ def test_missing_files(tmp_path, tiny_ckpt):
         AsyncTForCausalLM.from_pretrained(tmp_path / "empty")
 
 
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
-def test_invalid_json_names_its_file(tmp_path, tiny_ckpt, name):
-    """json's own JSONDecodeError came out, naming neither the file nor the checkpoint."""
+UNREADABLE_JSON = [  # (file, text, error): json's JSONDecodeError, or a bare AttributeError / KeyError
+    ("config.json", "{not json", "config.json is not valid JSON"),
+    ("model.safetensors.index.json", "{not json", "model.safetensors.index.json is not valid JSON"),
+    *[("config.json", text, "config.json is not a JSON object") for text in ("[]", "null", '"asynct"')],
+    *[("model.safetensors.index.json", text, "model.safetensors.index.json has no weight_map")
+      for text in ('{"metadata": {}}', "[]", '{"weight_map": ["model.safetensors"]}')],
+]
+
+
+@pytest.mark.parametrize("name,text,error", UNREADABLE_JSON)
+def test_unreadable_json_names_its_file(tmp_path, tiny_ckpt, name, text, error):
+    """Each came out as json's or Python's own error, naming neither the file nor the checkpoint."""
     import shutil
     shutil.copytree(tiny_ckpt, tmp_path / "ck")
-    (tmp_path / "ck" / name).write_text("{not json")
-    with pytest.raises(CheckpointError, match=f"{name} is not valid JSON"):
-        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
-
-
-@pytest.mark.parametrize("text", ["[]", "null", '"asynct"'])
-def test_config_that_is_not_an_object_names_its_file(tmp_path, tiny_ckpt, text):
-    """Valid JSON that is no object raised a bare AttributeError ('list' object has no attribute 'get')."""
-    import shutil
-    shutil.copytree(tiny_ckpt, tmp_path / "ck")
-    (tmp_path / "ck" / "config.json").write_text(text)
-    with pytest.raises(CheckpointError, match="config.json is not a JSON object"):
-        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
-
-
-@pytest.mark.parametrize("index", ['{"metadata": {}}', "[]", '{"weight_map": ["model.safetensors"]}'])
-def test_index_without_a_weight_map(tmp_path, tiny_ckpt, index):
-    """An index without a weight_map object raised a bare KeyError or AttributeError."""
-    import shutil
-    shutil.copytree(tiny_ckpt, tmp_path / "ck")
-    (tmp_path / "ck" / "model.safetensors.index.json").write_text(index)
-    with pytest.raises(CheckpointError, match="model.safetensors.index.json has no weight_map"):
+    (tmp_path / "ck" / name).write_text(text)
+    with pytest.raises(CheckpointError, match=error):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
 
 
