@@ -17,7 +17,15 @@ CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")   # EngineA
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in every flag's help; descriptions and epilogs keep their line breaks."""
+    """Defaults in every flag's help; descriptions and epilogs keep their line breaks. A help that
+    names its own default, a default of None and an off-switch (`--no-prefix-caching`, whose
+    stored default True read as the flag being on) get no "(default: ...)" added."""
+
+    def _get_help_string(self, action):
+        if (action.default is None or "(default" in (action.help or "")
+                or isinstance(action, argparse._StoreFalseAction)):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def add_engine_args(p: argparse.ArgumentParser):

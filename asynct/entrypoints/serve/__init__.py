@@ -6,13 +6,15 @@ from asynct.entrypoints.serve.limits import ServerLimits
 
 
 def add_parser(sub):
-    from asynct.entrypoints.cli import add_engine_args
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)")
+    from asynct.entrypoints.cli import HelpFormatter, add_engine_args
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
+                       formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL_DIR")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535")
     p.add_argument("--api-key", default=os.environ.get("ASYNCT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (env ASYNCT_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (default: env ASYNCT_API_KEY, "
+                        "else none)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL_DIR)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
@@ -25,7 +27,7 @@ def add_parser(sub):
     p.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests that may wait beyond the running batch (--max-num-seqs); more get 429 "
                         "(default: no limit)")
-    p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413")
+    p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413 (default: 16 MiB)")
     add_limit_args(p)
     p.add_argument("--log-level", default="info", help="asynct's log level")
     p.add_argument("--uvicorn-log-level", default=None,
