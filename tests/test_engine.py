@@ -282,6 +282,24 @@ def test_an_eos_id_of_minus_one_is_none(tiny_ckpt, tmp_path):
     assert out.error is None and len(out.outputs[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("settings", [dict(), dict(max_num_batched_tokens=7, num_kv_blocks=6)],
+                         ids=["plain", "chunked-preempting"])
+def test_prompt_tokens_count_every_prompt_position(tiny_ckpt, settings):
+    """The computed-prompt-token count (progress bar, /metrics, the server's throughput line) took
+    every one-token query for a decode: one-token prompts, and the last token after a prefix-cache
+    hit, were never counted (64 one-token prompts read 0 toks/s)."""
+    llm = LLM(tiny_ckpt, **settings)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [i]} for i in range(1, 9)] + [{"prompt_token_ids": list(range(1, 34))}]
+    llm.generate(prompts, params, use_tqdm=False)
+    preempted = engine.scheduler.num_preemptions
+    assert engine.stats["prompt_tokens"] >= 8 + 33 and (preempted or engine.stats["prompt_tokens"] == 8 + 33)
+    before = engine.stats["prompt_tokens"]
+    out, = llm.generate(prompts[-1:], params, use_tqdm=False)     # all but its last token cached
+    assert engine.stats["prompt_tokens"] - before == 33 - out.num_cached_tokens >= 1
+
+
 def test_generation_stops_at_max_model_len(tiny_ckpt):
     llm = LLM(tiny_ckpt, max_model_len=20)
     out = llm.generate({"prompt_token_ids": [1] * 15}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),

@@ -256,7 +256,7 @@ class LLMEngine:
             if seq.is_finished:
                 continue
             try:
-                launched = self.runner.launch(ScheduledBatch([seq], [n], int(n == 1)))
+                launched = self.runner.launch(ScheduledBatch.of([(seq, n)]))
             except Exception as e:
                 req = self.requests.get(seq.request_id)
                 if req is not None:
@@ -284,7 +284,7 @@ class LLMEngine:
 
     def _count(self, batch):
         self.stats["steps"] += 1
-        self.stats["prompt_tokens"] += batch.total_tokens - batch.num_decodes
+        self.stats["prompt_tokens"] += batch.num_prompt_tokens
 
     def _record(self, launched: LaunchedStep | None, t0: float):
         """Benchmarks' per-step log: the wall time between step ends is a step's real cost."""

@@ -12,6 +12,14 @@ class ScheduledBatch:
     seqs: list[Sequence]        # decodes (one token) first
     num_tokens: list[int]       # tokens each sequence computes this step
     num_decodes: int
+    num_prompt_tokens: int = 0  # of those, prompt positions (a one-token prompt is a "decode" above)
+
+    @classmethod
+    def of(cls, picked: list[tuple[Sequence, int]]) -> "ScheduledBatch":
+        """Sequences with the tokens each computes; one-token queries (decodes) first, stably."""
+        picked = sorted(picked, key=lambda p: p[1] != 1)
+        return cls([s for s, _ in picked], [n for _, n in picked], sum(1 for _, n in picked if n == 1),
+                   sum(_prompt_part(s, n) for s, n in picked))
 
     @property
     def total_tokens(self) -> int:
@@ -20,6 +28,11 @@ class ScheduledBatch:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decodes == len(self.seqs)
+
+
+def _prompt_part(seq: Sequence, n: int) -> int:
+    """How many of the next `n` tokens `seq` computes are prompt tokens."""
+    return max(0, min(seq.num_computed_tokens + n, seq.num_prompt_tokens) - seq.num_computed_tokens)
 
 
 class Scheduler:
@@ -60,9 +73,7 @@ class Scheduler:
                 break
             picked.append((self.running[-1], n))
             budget -= n
-        picked.sort(key=lambda p: p[1] != 1)  # stable: one-token queries (decodes) first
-        return ScheduledBatch([s for s, _ in picked], [n for _, n in picked],
-                              sum(1 for _, n in picked if n == 1))
+        return ScheduledBatch.of(picked)
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """A token still on the device that reaches max_tokens or max_model_len ends the
