@@ -76,3 +76,32 @@ def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
                 assert r.status_code == 400 and err["param"] == field and field in err["message"], r.text
                 assert err["type"] == "invalid_request_error"
         assert chat(tools=[{"type": "function"}], tool_choice="none").status_code == 400    # a tool needs its function
+
+
+# vLLM's request fields that change the output, with a value asynct cannot apply and their no-op
+VLLM_UNAPPLIED = [
+    ("use_beam_search", True, False), ("truncate_prompt_tokens", 2, None), ("allowed_token_ids", [65], None),
+    ("bad_words", ["a"], []), ("prompt_logprobs", 1, None), ("logprob_token_ids", [65], None),
+    ("structured_outputs", {"choice": ["a", "b"]}, None), ("guided_json", {"type": "object"}, None),
+    ("guided_regex", "a+", None), ("guided_choice", ["a", "b"], None), ("guided_grammar", "root ::= 'a'", None),
+    ("return_tokens_as_token_ids", True, False), ("priority", 1, 0), ("thinking_token_budget", 4, -1),
+    ("repetition_detection", {"max_pattern_size": 2, "min_count": 2}, None),
+]
+
+
+def test_vllm_fields_asynct_cannot_apply_are_400(tiny_ckpt):
+    """Each was an unknown field, dropped: the answer came as if it had not been sent (allowed
+    tokens not restricted, no prompt_logprobs, logprob tokens as text, the prompt not truncated...).
+    At vLLM's no-op value it is still accepted."""
+    app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None)
+    bodies = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}
+    with ServerThread(app) as url:
+        for path, body in bodies.items():
+            body = {**body, "max_tokens": 1, "temperature": 0}
+            noop = {field: value for field, _, value in VLLM_UNAPPLIED}
+            assert httpx.post(url + path, json={**body, **noop}, timeout=60).status_code == 200
+            for field, value, _ in VLLM_UNAPPLIED:
+                r = httpx.post(url + path, json={**body, field: value}, timeout=60)
+                assert r.status_code == 400, (path, field, r.text)
+                err = r.json()["error"]
+                assert err["param"] == field and field in err["message"], r.text

@@ -2,6 +2,7 @@
 Unknown fields are ignored (clients send vendor extras); known ones that asynct cannot honour
 are refused with a 400 rather than silently dropped. Types are strict, as OpenAI's API: "3" is not
 a number, 1 is not a bool, and NaN, Infinity and lone surrogates ("\ud800") are refused."""
+import json
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
@@ -59,6 +60,31 @@ class SamplingFields(Body):
     response_format: dict | None = None
     return_token_ids: bool = False        # extension: token ids in each choice (benchmarks)
     user: str | None = None
+    # vLLM's fields that change the output and that asynct cannot apply: known, so that a value
+    # other than vLLM's no-op is a 400 rather than an unknown field dropped
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None
+    allowed_token_ids: TokenIds | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    logprob_token_ids: TokenIds | None = None
+    structured_outputs: dict | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: int = 0
+    thinking_token_budget: int | None = None
+    repetition_detection: dict | None = None
+    NOT_APPLIED: ClassVar[dict] = {  # field: its values that change nothing
+        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}), "use_beam_search": (False,), "truncate_prompt_tokens": (None,),
+        "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
+        "logprob_token_ids": (None,), "structured_outputs": (None,), "guided_json": (None,),
+        "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+        "return_tokens_as_token_ids": (None, False), "priority": (0,), "thinking_token_budget": (None, -1),
+        "repetition_detection": (None,)}
     # SamplingParams' fields (and the engine's "prompt") that this request calls otherwise: an
     # error names the field the client sent
     RENAMED: ClassVar[dict] = {}
@@ -69,13 +95,9 @@ class SamplingFields(Body):
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError (a 400) for values the engine rejects or cannot honour."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise Unsupported(name, f"{name} is not supported")
-        if self.logit_bias:
-            raise Unsupported("logit_bias", "logit_bias is not supported")
-        if self.repetition_penalty not in (None, 1.0):
-            raise Unsupported("repetition_penalty", "repetition_penalty is not supported (only 1.0)")
+        for name, noops in self.NOT_APPLIED.items():
+            if getattr(self, name) not in noops:
+                raise Unsupported(name, f"{name} is not supported (only {' or '.join(map(json.dumps, noops))})")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise Unsupported("response_format", f"response_format {self.response_format.get('type')!r} is not "
                                                  'supported (no guided decoding; only {"type": "text"})')
