@@ -151,3 +151,17 @@ def test_kv_cache_memory_takes_a_whole_float(tiny_ckpt):
     """lm-eval's model_args parse kv_cache_memory=4e9 as a float: a whole number of bytes is one."""
     from asynct.engine.engine_args import EngineArgs
     assert EngineArgs(str(tiny_ckpt), kv_cache_memory=4e9).kv_cache_memory == 4_000_000_000
+
+
+def test_use_tqdm_may_be_the_progress_bar_to_use(llm):
+    """As vLLM's: a callable use_tqdm makes the bar (it was taken as True: tqdm's own bar)."""
+    import io
+
+    from tqdm.auto import tqdm
+    made = []
+
+    def bar(**kwargs):
+        made.append(tqdm(**kwargs, file=io.StringIO()))
+        return made[-1]
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=bar)
+    assert len(made) == 1 and made[0].n == made[0].total == len(PROMPTS)

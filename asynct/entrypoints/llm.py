@@ -2,6 +2,7 @@
 import logging
 import time
 from dataclasses import fields
+from functools import partial
 
 from tqdm.auto import tqdm
 
@@ -39,7 +40,7 @@ class LLM:
         d = self.llm_engine.detokenizer
         return d.tokenizer if d else None
 
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
         prompts = _batch(prompts)
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
             else [sampling_params] * len(prompts)
@@ -63,7 +64,7 @@ class LLM:
                 self.llm_engine.abort_request(rid)
         return [results[r] for r in ids]
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+    def chat(self, messages, sampling_params=None, use_tqdm=True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of
@@ -84,7 +85,10 @@ class LLM:
 
     def _run(self, results, total, use_tqdm):
         engine = self.llm_engine
-        bar = tqdm(total=total, desc="Processed prompts", disable=not use_tqdm, initial=len(results))
+        # as vLLM's: use_tqdm may be the caller's own bar maker, given tqdm's arguments
+        make_bar = use_tqdm if callable(use_tqdm) else partial(tqdm, disable=not use_tqdm)
+        bar = make_bar(total=total, desc="Processed prompts")
+        bar.update(len(results))        # the requests refused before they ran
         start, prompt, generated = (time.perf_counter(), engine.stats["prompt_tokens"],
                                     engine.stats["generation_tokens"])
         while engine.has_unfinished_requests():
