@@ -165,3 +165,18 @@ def test_use_tqdm_may_be_the_progress_bar_to_use(llm):
         return made[-1]
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1), use_tqdm=bar)
     assert len(made) == 1 and made[0].n == made[0].total == len(PROMPTS)
+
+
+def test_lora_request_and_priority_are_taken_at_no_op_and_refused_otherwise(llm):
+    """vLLM's generate arguments: lora_request=None and priority 0 (first come, first served) were
+    a TypeError; an adapter or another priority, which asynct cannot apply, is a ValueError."""
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    want = texts(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    assert texts(llm.generate(PROMPTS, greedy, use_tqdm=False, lora_request=None, priority=[0] * 3)) == want
+    assert texts(llm.chat(MESSAGES, greedy, use_tqdm=False, lora_request=None)) == \
+        texts(llm.chat(MESSAGES, greedy, use_tqdm=False))
+    for bad, words in [(dict(lora_request=object()), "lora_request"), (dict(priority=[0, 1, 0]), "priority")]:
+        with pytest.raises(ValueError, match=words):
+            llm.generate(PROMPTS, greedy, use_tqdm=False, **bad)
+    with pytest.raises(ValueError, match="lora_request"):
+        llm.chat(MESSAGES, greedy, use_tqdm=False, lora_request=object())

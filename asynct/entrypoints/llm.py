@@ -40,7 +40,9 @@ class LLM:
         d = self.llm_engine.detokenizer
         return d.tokenizer if d else None
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, *, lora_request=None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        _refuse_unapplied(lora_request, priority)
         prompts = _batch(prompts)
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) \
             else [sampling_params] * len(prompts)
@@ -66,7 +68,7 @@ class LLM:
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False, tools=None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, lora_request=None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the tokenizer's chat template (or `chat_template`), then generated."""
         from asynct.entrypoints.chat_utils import render_conversations
@@ -78,7 +80,7 @@ class LLM:
         # the template writes the special tokens it wants (BOS): encoding the text must not add a second
         detok = self.llm_engine.detokenizer
         prompts = [{"prompt_token_ids": detok.encode(t, add_special_tokens=False)} for t in texts]
-        outs = self.generate(prompts, sampling_params, use_tqdm)
+        outs = self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
         for out, text in zip(outs, texts):
             out.prompt = text
         return outs
@@ -102,6 +104,16 @@ class LLM:
                                 f"output: {(engine.stats['generation_tokens'] - generated) / dt:.2f} toks/s",
                                 refresh=False)
         bar.close()
+
+
+def _refuse_unapplied(lora_request, priority):
+    """vLLM's generate arguments that asynct cannot apply, taken at their no-op values (priority 0
+    is what vLLM's first-come-first-served scheduler takes too) rather than ignored."""
+    if lora_request is not None:
+        raise ValueError("lora_request is not supported: asynct runs no LoRA adapters")
+    if priority is not None and any(priority):
+        raise ValueError(f"priority is not supported: asynct serves requests first come, first served "
+                         f"(only 0), got {priority!r:.60}")
 
 
 def _batch(prompts) -> list:
