@@ -180,3 +180,10 @@ def test_lora_request_and_priority_are_taken_at_no_op_and_refused_otherwise(llm)
             llm.generate(PROMPTS, greedy, use_tqdm=False, **bad)
     with pytest.raises(ValueError, match="lora_request"):
         llm.chat(MESSAGES, greedy, use_tqdm=False, lora_request=object())
+
+
+def test_seed_minus_one_is_unseeded(llm):
+    """As vLLM's: seed -1 asks for no seed. It was taken as a seed: every call drew the same tokens."""
+    assert SamplingParams(seed=-1).seed is None
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=-1)
+    assert texts(llm.generate(PROMPTS, params, use_tqdm=False)) != texts(llm.generate(PROMPTS, params, use_tqdm=False))

@@ -39,6 +39,7 @@ class SamplingParams:
             self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
             self.stop_token_ids = list(self.stop_token_ids or [])
             self.top_k = 0 if self.top_k == -1 else self.top_k
+            self.seed = None if self.seed == -1 else self.seed     # as vLLM's: -1 asks for no seed
             problems = [msg for bad, msg in self._checks() if bad]
         if problems:
             raise SamplingParamsError.of("invalid SamplingParams: ", problems)
