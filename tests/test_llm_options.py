@@ -187,3 +187,17 @@ def test_seed_minus_one_is_unseeded(llm):
     assert SamplingParams(seed=-1).seed is None
     params = SamplingParams(temperature=1.0, max_tokens=12, seed=-1)
     assert texts(llm.generate(PROMPTS, params, use_tqdm=False)) != texts(llm.generate(PROMPTS, params, use_tqdm=False))
+
+
+def test_sampling_fields_asynct_cannot_apply_are_taken_at_no_op_only():
+    """vLLM's SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, ...) was a TypeError
+    (unexpected keyword argument); another value, which the sampler would not apply, is a
+    ValueError naming the field (the server's 400 names it the same way)."""
+    SamplingParams(presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0, logit_bias={},
+                   allowed_token_ids=None, bad_words=[], truncate_prompt_tokens=None)
+    for field, value in [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
+                         ("logit_bias", {5: 10.0}), ("allowed_token_ids", [5]), ("bad_words", ["x"]),
+                         ("truncate_prompt_tokens", 8)]:
+        with pytest.raises(ValueError, match=f"{field} is not supported") as e:
+            SamplingParams(**{field: value})
+        assert e.value.param == field

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
+NOT_APPLIED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+               "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+               "truncate_prompt_tokens": (None,)}     # field: its values that change nothing
 
 
 @dataclass
@@ -31,6 +34,14 @@ class SamplingParams:
     # serves no request with prompt_logprobs otherwise: each position's logits must be computed)
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
+    # vLLM's fields that the sampler does not apply: taken at their no-op values (NOT_APPLIED) only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -88,6 +99,8 @@ class SamplingParams:
              f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}"),
             (any(not s for s in self.stop_list), "stop strings must be non-empty strings"),
             (any(not 0 <= t < INT64_END for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+            *[(getattr(self, name) not in noops, f"{name} is not supported (only {noops[0]!r})")
+              for name, noops in NOT_APPLIED.items()],
         ]
 
     def check_model(self, vocab_size: int):
