@@ -105,3 +105,20 @@ def test_vllm_fields_asynct_cannot_apply_are_400(tiny_ckpt):
                 assert r.status_code == 400, (path, field, r.text)
                 err = r.json()["error"]
                 assert err["param"] == field and field in err["message"], r.text
+
+
+def test_chat_documents_reach_the_template(tiny_ckpt):
+    """vLLM's `documents` (RAG) are the template's, as `tools` are; the field was dropped, so the
+    prompt lacked them; chat_template_kwargs' own `documents` win, as vLLM's."""
+    template = TEMPLATE + "{% for d in documents or [] %}<doc>{{ d.text }}{% endfor %}"
+    app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=template, log_stats_interval=None)
+    msgs = [{"role": "user", "content": "hi"}]
+    docs = [{"title": "t", "text": "abc"}]
+    with ServerThread(app) as url:
+        def tokens(**extra):
+            return bytes(httpx.post(url + "/tokenize", json={"messages": msgs, **extra}, timeout=60).json()["tokens"])
+        assert tokens(documents=docs).decode() == "<user>hi<assistant><doc>abc"
+        assert tokens(documents=docs, chat_template_kwargs={"documents": [{"text": "x"}]}).decode().endswith("<doc>x")
+        body = {"messages": msgs, "max_tokens": 1, "temperature": 0, "documents": docs}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+        assert r["usage"]["prompt_tokens"] == len("<user>hi<assistant><doc>abc")

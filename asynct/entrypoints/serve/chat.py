@@ -29,11 +29,11 @@ def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_token
     except ValueError as e:
         raise ApiError(400, str(e), param="messages") from None
     try:
-        # as vLLM: chat_template_kwargs may set the template's `tools` too, and win
+        # as vLLM: chat_template_kwargs may set the template's `tools` and `documents` too, and win
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools is not None else None
         text = ctx.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=body.add_generation_prompt,
                                                  continue_final_message=body.continue_final_message,
-                                                 **{"tools": tools, **kwargs})
+                                                 **{"tools": tools, "documents": body.documents, **kwargs})
     except ApiError:
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's

@@ -191,6 +191,7 @@ class ChatTemplateFields(Body):
     chat_template: str | None = None          # vLLM's: in place of the server's (trusted servers only)
     chat_template_kwargs: dict | None = None
     tools: list[Tool] | None = None       # rendered by the chat template, as LLM.chat's
+    documents: list[dict] | None = None   # vLLM's: for a template that takes them (RAG)
 
     def template_kwargs(self) -> dict:
         """chat_template_kwargs, with the request's chat_template where it has one (the kwargs' wins)."""
