@@ -240,6 +240,28 @@ def test_an_engine_that_died_idle_gets_no_new_requests(tiny_ckpt):
         llm.llm_engine.shutdown()
 
 
+def test_ctrl_c_leaves_the_engine_processes_running(tiny_ckpt):
+    """A terminal's Ctrl-C reaches every process of its group: each engine died of it (a
+    KeyboardInterrupt traceback each), so an interrupted LLM.generate left no engine to go on with."""
+    from multiprocessing.connection import wait
+    # started as a background job, this process ignores SIGINT, and so would the engines
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        llm = LLM(tiny_ckpt, data_parallel_size=2, **ENGINE)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        procs = [c.proc for c in llm.llm_engine.clients]
+        for p in procs:
+            os.kill(p.pid, signal.SIGINT)
+        assert not wait([p.sentinel for p in procs], timeout=3), [p.exitcode for p in procs]
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = llm.generate([f"request {i}" for i in range(4)], greedy, use_tqdm=False)
+        assert [o.error for o in outs] == [None] * 4
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_server_sends_nothing_to_an_engine_whose_exit_it_has_not_read(tiny_ckpt):
     """An engine process gone, its exit message not yet handled on the event loop: a new request
     goes to the engine left (it was routed to the dead one and failed with a 500)."""

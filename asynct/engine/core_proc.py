@@ -9,6 +9,7 @@ Core -> front end: ("ready", info with a first snapshot) or ("failed", message) 
 Outputs travel as deltas (new tokens, new text), so a step's message does not grow with the
 length of what was generated; `apply_delta` rebuilds vLLM's cumulative RequestOutput."""
 import logging
+import signal
 
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.llm_engine import LLMEngine
@@ -20,6 +21,10 @@ log = logging.getLogger("asynct.engine")
 def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
     """The child process's main: builds the engine, reports, then steps until told to stop or the
     front end goes away."""
+    # Ctrl-C in a terminal reaches the whole process group: the front end decides what it means
+    # (an interrupted LLM.generate goes on with its engines, a server stops them); the engine
+    # would die of it with a traceback, and its requests as if it had crashed
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = make_engine(args)
