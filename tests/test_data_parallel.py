@@ -6,8 +6,11 @@ import os
 import random
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -260,6 +263,42 @@ def test_ctrl_c_leaves_the_engine_processes_running(tiny_ckpt):
         assert [o.error for o in outs] == [None] * 4
     finally:
         llm.llm_engine.shutdown()
+
+
+# holds one engine process running a long request; prints its pid once tokens come
+HOLDER = """
+import sys, time
+from asynct.engine.core_client import CoreClient
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.sampling_params import SamplingParams
+client = CoreClient(EngineArgs(model=sys.argv[1], max_num_seqs=4, num_kv_blocks=256))
+client.wait_ready()
+running = []
+client.start(lambda msg: msg[0] == "outputs" and not running and running.append(print(client.proc.pid, flush=True)))
+client.add(("r", [5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True), False))
+time.sleep(300)
+"""
+
+
+def test_an_engine_whose_front_end_was_killed_exits_quietly(tiny_ckpt):
+    """SIGKILL of the process holding an engine, mid-request: the engine exits by itself (its
+    stderr, which it shares with the holder, closes), and without the BrokenPipeError traceback
+    that its next output used to print."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tiny_ckpt)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    guard = threading.Timer(120, holder.kill)     # a holder that never gets going
+    guard.start()
+    engine_pid = None
+    try:
+        engine_pid = int(holder.stdout.readline())
+        holder.kill()
+        _, err = holder.communicate(timeout=60)   # till the engine, the pipe's last holder, is gone
+    finally:
+        guard.cancel()
+        holder.kill()
+        if engine_pid is not None and holder.returncode is None:
+            os.kill(engine_pid, signal.SIGKILL)
+    assert "Traceback" not in err, err[-3000:]
 
 
 def test_server_sends_nothing_to_an_engine_whose_exit_it_has_not_read(tiny_ckpt):

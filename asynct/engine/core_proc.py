@@ -31,10 +31,13 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
     except Exception as e:     # a bad checkpoint or option: the front end shows the message
         outbox.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    outbox.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
-                           "startup_seconds": engine.startup_seconds, "snapshot": snapshot(engine),
-                           "summary": engine.summary()}))
-    EngineCore(engine, outbox).run(inbox)
+    try:
+        outbox.send(("ready", {"max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                               "startup_seconds": engine.startup_seconds, "snapshot": snapshot(engine),
+                               "summary": engine.summary()}))
+        EngineCore(engine, outbox).run(inbox)
+    except (BrokenPipeError, ConnectionResetError):   # the front end is gone (killed): nobody to tell
+        pass
 
 
 class EngineCore:
