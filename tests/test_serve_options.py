@@ -2,6 +2,7 @@
 --tensor-parallel-size, --trust-remote-code, --uvicorn-log-level, --disable-log-stats; chat
 `tools` through the template, and the fields it cannot honour refused by name."""
 import httpx
+import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.entrypoints.cli import build_parser, main
@@ -28,6 +29,41 @@ def test_bad_values_fail_before_the_engine_starts(tiny_ckpt, tmp_path, capsys):
     assert "docs/vllm.md" in err
     assert main(["serve", str(tiny_ckpt), "--chat-template", str(tmp_path / "none.jinja")]) == 2
     assert "looks like a file path, but it cannot be read" in capsys.readouterr().err
+
+
+def test_a_port_in_use_fails_before_the_model_loads(tiny_ckpt, capsys, monkeypatch):
+    """A second server on a busy port loaded its model first (minutes on a GPU) and only then
+    failed, at uvicorn's bind."""
+    import socket
+
+    from asynct.entrypoints.serve import api_server
+    monkeypatch.setattr(api_server, "make_app", lambda *a, **k: pytest.fail("the model loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tiny_ckpt), "--port", str(port)]) == 2
+    assert f"asynct serve: error: cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_the_server_with_status_0(tiny_ckpt):
+    """uvicorn re-raises the Ctrl-C it has shut down on: the command must not end in a
+    KeyboardInterrupt traceback."""
+    import signal
+
+    from asynct.entrypoints.serve.launch import ServerProcess
+    # started as a background job, this process ignores SIGINT, and so would the server
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        server = ServerProcess(tiny_ckpt, "--disable-log-stats", timeout=120)
+        server.__enter__()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        server.__exit__()
 
 
 def test_chat_template_file_and_seed(tiny_ckpt, tmp_path):

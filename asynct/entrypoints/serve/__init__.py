@@ -79,6 +79,7 @@ def server_limits(a):
 
 
 def cmd_serve(a):
+    import contextlib
     import logging
 
     import uvicorn
@@ -89,10 +90,33 @@ def cmd_serve(a):
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
-    app = make_app(a.model, a.served_model_name, a.api_key, a.max_queued_requests, a.max_request_bytes,
-                   limits=server_limits(a), chat_template=a.chat_template,
-                   log_stats_interval=None if a.disable_log_stats else 10.0, seed=a.seed,
-                   tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=a.trust_remote_code,
-                   **engine_kwargs(a))
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level or a.log_level, access_log=a.access_log,
-                timeout_graceful_shutdown=5, **connection_options(app))
+    with listen_socket(a.host, a.port) as sock:
+        app = make_app(a.model, a.served_model_name, a.api_key, a.max_queued_requests, a.max_request_bytes,
+                       limits=server_limits(a), chat_template=a.chat_template,
+                       log_stats_interval=None if a.disable_log_stats else 10.0, seed=a.seed,
+                       tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=a.trust_remote_code,
+                       **engine_kwargs(a))
+        config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level or a.log_level,
+                                access_log=a.access_log, timeout_graceful_shutdown=5, **connection_options(app))
+        server = uvicorn.Server(config)
+        # uvicorn says where it listens only on a socket it bound itself
+        host = f"[{a.host}]" if ":" in a.host else a.host
+        logging.getLogger("asynct.serve").info("serving on http://%s:%d", host, sock.getsockname()[1])
+        with contextlib.suppress(KeyboardInterrupt):    # uvicorn re-raises the Ctrl-C it shut down on
+            server.run(sockets=[sock])
+    return 0 if server.started else 3      # uvicorn's exit status for a failed start-up
+
+
+def listen_socket(host: str, port: int):
+    """The server's socket, bound before the model loads: a port in use failed only once the
+    model had loaded (minutes on a GPU; or, beside the server holding the port and the GPU, with
+    'no room for a KV cache')."""
+    import socket
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
