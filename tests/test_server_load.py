@@ -307,6 +307,34 @@ def test_engine_process_death_is_reported(tiny_ckpt):
         assert r.status_code == 503 and "restart the server" in r.json()["error"]["message"]
 
 
+class SlowEngine(LLMEngine):
+    """Each step takes 20 ms more: a long request outlasts any graceful shutdown."""
+
+    def step(self):
+        time.sleep(0.02)
+        return super().step()
+
+
+def test_shutdown_ends_a_running_stream_with_an_error_event(tiny_ckpt):
+    """SIGTERM or Ctrl-C under a stream that outlasts the graceful timeout: the stream ends with
+    an error event and [DONE] (uvicorn cancelled its task: the connection was cut mid-stream, a
+    CancelledError traceback in the log), soon, and the engine process is gone after."""
+    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None)
+    body = {"model": "tiny", "prompt": "long", "max_tokens": 1800, "ignore_eos": True, "stream": True}
+    server = ServerThread(app)
+    with server as url:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            server.server.should_exit = True      # what uvicorn's signal handler does
+            start = time.monotonic()
+            rest = [line for line in lines if line]
+            took = time.monotonic() - start
+    assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2]
+    assert took < 10      # the graceful timeout is 2 s; the stream alone runs ~40 s
+    assert all(e.client.exited for e in app.state.ctx.engine.engines)
+
+
 def test_one_engine_hashes_no_prefix_keys(server, monkeypatch):
     """The prefix keys route requests between data-parallel engines: with one, hashing every block
     of each prompt (ms for a long one) held the event loop for nothing."""

@@ -85,7 +85,7 @@ def cmd_serve(a):
     import uvicorn
 
     from asynct.entrypoints.cli import engine_kwargs
-    from asynct.entrypoints.serve.api_server import make_app
+    from asynct.entrypoints.serve.api_server import Server, make_app
     from asynct.entrypoints.serve.launch import connection_options
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
@@ -98,7 +98,7 @@ def cmd_serve(a):
                        **engine_kwargs(a))
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level or a.log_level,
                                 access_log=a.access_log, timeout_graceful_shutdown=5, **connection_options(app))
-        server = uvicorn.Server(config)
+        server = Server(config)
         # uvicorn says where it listens only on a socket it bound itself
         host = f"[{a.host}]" if ":" in a.host else a.host
         logging.getLogger("asynct.serve").info("serving on http://%s:%d", host, sock.getsockname()[1])

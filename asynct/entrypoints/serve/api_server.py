@@ -1,15 +1,18 @@
 """The FastAPI app: routes, OpenAI-style errors, API key and body-size guards, and `serve`."""
+import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections import Counter
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
-from asynct.entrypoints.serve.async_engine import AsyncEngine
+from asynct.entrypoints.serve.async_engine import SHUTTING_DOWN, AsyncEngine
 from asynct.entrypoints.serve.chat import create_chat_completion, render_chat
 from asynct.entrypoints.serve.completions import create_completion
 from asynct.entrypoints.serve.metrics import ThroughputLogger, render_metrics, summary_line
@@ -180,6 +183,22 @@ class Guard:
         if length.isdigit() and int(length) > self.max_body_bytes:
             return 413, f"the request body ({length} bytes) exceeds {self.max_body_bytes} bytes", "body_too_large"
         return None
+
+
+class Server(uvicorn.Server):
+    """uvicorn's, but at shutdown (SIGTERM, Ctrl-C) the requests still running when the graceful
+    timeout is up end with a 503, a stream's as its last event: uvicorn cancelled them, cutting
+    each stream off mid-way, with a CancelledError traceback in the log. New requests get the 503
+    from the start."""
+
+    async def shutdown(self, sockets=None):
+        engine = self.config.app.state.ctx.engine
+        engine.stopping = SHUTTING_DOWN
+        deadline = time.monotonic() + self.config.timeout_graceful_shutdown
+        while engine.num_in_flight and time.monotonic() < deadline and not self.force_exit:
+            await asyncio.sleep(0.05)
+        engine.fail_all()
+        await super().shutdown(sockets)
 
 
 def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,

@@ -20,6 +20,7 @@ from asynct.engine.outputs import RequestOutput
 from asynct.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("asynct.serve")
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class EngineError(Exception):
@@ -114,9 +115,13 @@ class AsyncEngine:
         for i, e in enumerate(self.engines):
             e.client.start(lambda msg, i=i: self._post(self._on_message, i, msg))
 
-    def stop(self):
-        self.stopping = "the server is shutting down"
+    def fail_all(self):
+        """Shutting down: the requests in flight end with a 503, and so does any new one."""
+        self.stopping = SHUTTING_DOWN
         self._fail(list(self.routes), self.stopping, 503)
+
+    def stop(self):
+        self.fail_all()
         for e in self.engines:
             e.client.sendq.put(("stop",))    # all stop at once; then wait for each
         for e in self.engines:

@@ -25,13 +25,15 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1"):
         import uvicorn
+
+        from asynct.entrypoints.serve.api_server import Server
         self.sock = socket.socket()
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, backlog=4096,
                                 **connection_options(app))
-        self.server = uvicorn.Server(config)
+        self.server = Server(config)
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
 
