@@ -18,6 +18,7 @@ from asynct import LLM, SamplingParams
 from asynct.engine.core_client import CoreClient, gpus_for
 from asynct.engine.data_parallel import PrefixHomes, assign, pick_engine, prefix_keys
 from asynct.engine.engine_args import EngineArgs
+from asynct.engine.llm_engine import LLMEngine
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 from test_server_load import MAX_TOKENS, run_load, wait_idle
@@ -299,6 +300,42 @@ def test_an_engine_whose_front_end_was_killed_exits_quietly(tiny_ckpt):
         if engine_pid is not None and holder.returncode is None:
             os.kill(engine_pid, signal.SIGKILL)
     assert "Traceback" not in err, err[-3000:]
+
+
+class LoadingForever(LLMEngine):
+    """An engine still loading its weights (minutes onto a GPU)."""
+
+    def __init__(self, args):
+        time.sleep(300)
+
+
+LOADING_HOLDER = """
+import sys, time
+sys.path.insert(0, "tests")
+from test_data_parallel import LoadingForever
+from asynct.engine.core_client import CoreClient
+from asynct.engine.engine_args import EngineArgs
+client = CoreClient(EngineArgs(model=sys.argv[1]), make_engine=LoadingForever)
+print(client.proc.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_an_engine_whose_front_end_was_killed_while_it_loads_exits(tiny_ckpt):
+    """SIGKILL of the process holding an engine that is still loading: the engine loaded to the
+    end (held its GPU memory minutes) before it could notice; it exits at once."""
+    holder = subprocess.Popen([sys.executable, "-c", LOADING_HOLDER, str(tiny_ckpt)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    engine_pid = None
+    try:
+        engine_pid = int(holder.stdout.readline())
+        time.sleep(1)                              # the engine is loading
+        holder.kill()
+        holder.communicate(timeout=30)            # till the engine, the pipes' last holder, is gone
+    finally:
+        holder.kill()
+        if engine_pid is not None and holder.returncode is None:
+            os.kill(engine_pid, signal.SIGKILL)
 
 
 def test_server_sends_nothing_to_an_engine_whose_exit_it_has_not_read(tiny_ckpt):

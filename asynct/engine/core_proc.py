@@ -9,7 +9,11 @@ Core -> front end: ("ready", info with a first snapshot) or ("failed", message) 
 Outputs travel as deltas (new tokens, new text), so a step's message does not grow with the
 length of what was generated; `apply_delta` rebuilds vLLM's cumulative RequestOutput."""
 import logging
+import multiprocessing as mp
+import os
 import signal
+import threading
+from multiprocessing.connection import wait
 
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.llm_engine import LLMEngine
@@ -25,6 +29,7 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
     # (an interrupted LLM.generate goes on with its engines, a server stops them); the engine
     # would die of it with a traceback, and its requests as if it had crashed
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = make_engine(args)
@@ -38,6 +43,15 @@ def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
         EngineCore(engine, outbox).run(inbox)
     except (BrokenPipeError, ConnectionResetError):   # the front end is gone (killed): nobody to tell
         pass
+
+
+def _exit_with_parent():
+    """A front end killed while its engine loads would leave the engine loading to the end (on a
+    GPU, minutes holding its memory) before a closed pipe told it: it exits when the parent does."""
+    def watch(sentinel):
+        wait([sentinel])
+        os._exit(0)
+    threading.Thread(target=watch, args=(mp.parent_process().sentinel,), daemon=True).start()
 
 
 class EngineCore:
