@@ -47,19 +47,19 @@ class Detokenizer:
     def _slow_decode(self, ids, skip_special_tokens=True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def context_start(self, seq: Sequence) -> int:
-        """Where decoding starts: a few prompt tokens before the output; at the output where
-        those end in an unfinished character (output bytes finishing it would be lost in it)."""
+    def _context(self, seq: Sequence) -> tuple[int, str]:
+        """Where decoding starts and the text before the output there: a few prompt tokens
+        before the output; at the output where those end in an unfinished character (output
+        bytes finishing it would be lost in it)."""
         n = seq.num_prompt_tokens
         start = max(0, n - CONTEXT_TOKENS)
         tail = self.decode(seq.token_ids[start:n], seq.params.skip_special_tokens)
-        return n if tail.endswith("\ufffd") else start
+        return (n, "") if tail.endswith("\ufffd") else (start, tail)
 
     def decode_output(self, seq: Sequence, end: int) -> str:
         """The text of seq's tokens up to `end`, past its prompt, decoded after the prompt's context."""
-        start, skip = self.context_start(seq), seq.params.skip_special_tokens
-        context = self.decode(seq.token_ids[start:seq.num_prompt_tokens], skip)
-        return self.decode(seq.token_ids[start:end], skip)[len(context):]
+        start, context = self._context(seq)
+        return self.decode(seq.token_ids[start:end], seq.params.skip_special_tokens)[len(context):]
 
     def annotate(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         for tid, lp in entry.items():
@@ -74,7 +74,7 @@ class Detokenizer:
         lose text from the middle of the output."""
         ids, skip = seq.token_ids, seq.params.skip_special_tokens
         if seq.detok_read_offset == seq.num_prompt_tokens:    # no text yet: start in the prompt
-            seq.detok_prefix_offset = self.context_start(seq)
+            seq.detok_prefix_offset = self._context(seq)[0]
         prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], skip)
         full = self.decode(ids[seq.detok_prefix_offset:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
