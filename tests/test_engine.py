@@ -496,11 +496,11 @@ def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
 POISON = -17     # a seed that marks the sequence whose sampling is made to raise
 
 
-def poisoned_sample(logits, seqs, eos_token_ids=()):
+def poisoned_sample(logits, seqs, *args):
     from asynct.engine.sampler import sample
     if any(s.params.seed == POISON for s in seqs):
         raise RuntimeError("injected sampling failure")
-    return sample(logits, seqs, eos_token_ids)
+    return sample(logits, seqs, *args)
 
 
 def test_sampling_failure_fails_its_request_alone(llm_shared, monkeypatch):

@@ -190,14 +190,99 @@ def test_seed_minus_one_is_unseeded(llm):
 
 
 def test_sampling_fields_asynct_cannot_apply_are_taken_at_no_op_only():
-    """vLLM's SamplingParams(presence_penalty=0.0, repetition_penalty=1.0, ...) was a TypeError
-    (unexpected keyword argument); another value, which the sampler would not apply, is a
-    ValueError naming the field (the server's 400 names it the same way)."""
-    SamplingParams(presence_penalty=0.0, frequency_penalty=0, repetition_penalty=1.0, logit_bias={},
-                   allowed_token_ids=None, bad_words=[], truncate_prompt_tokens=None)
-    for field, value in [("presence_penalty", 0.5), ("frequency_penalty", -1.0), ("repetition_penalty", 1.2),
-                         ("logit_bias", {5: 10.0}), ("allowed_token_ids", [5]), ("bad_words", ["x"]),
-                         ("truncate_prompt_tokens", 8)]:
+    """vLLM's SamplingParams(bad_words=[], truncate_prompt_tokens=None) was a TypeError (unexpected
+    keyword argument); another value, which asynct would not apply, is a ValueError naming the
+    field (the server's 400 names it the same way)."""
+    SamplingParams(bad_words=[], truncate_prompt_tokens=None)
+    for field, value in [("bad_words", ["x"]), ("truncate_prompt_tokens", 8)]:
         with pytest.raises(ValueError, match=f"{field} is not supported") as e:
             SamplingParams(**{field: value})
         assert e.value.param == field
+
+
+# ---- penalties, logit_bias, allowed_token_ids ------------------------------------------------
+BAD_ADJUSTMENTS = [
+    ("presence_penalty", 2.5, r"must be in \[-2, 2\], got 2.5"), ("presence_penalty", "1", "finite number"),
+    ("frequency_penalty", -2.01, r"must be in \[-2, 2\]"), ("frequency_penalty", float("nan"), "finite number"),
+    ("repetition_penalty", 0, "must be > 0"), ("repetition_penalty", -1.0, "must be > 0"),
+    ("repetition_penalty", float("inf"), "finite number"), ("repetition_penalty", True, "finite number"),
+    ("logit_bias", {-1: 1.0}, "keys must be token ids"), ("logit_bias", {"5": 1.0}, "map token ids"),
+    ("logit_bias", {5: float("nan")}, "finite numbers"), ("logit_bias", {True: 1.0}, "map token ids"),
+    ("logit_bias", [(5, 1.0)], "map token ids"), ("allowed_token_ids", [], "must not be empty"),
+    ("allowed_token_ids", [-1], "must be token ids"), ("allowed_token_ids", [5, "6"], "list of integers"),
+    ("allowed_token_ids", [True], "list of integers"),
+]
+
+
+@pytest.mark.parametrize("field,value,words", BAD_ADJUSTMENTS, ids=[f"{f}={v!r}" for f, v, _ in BAD_ADJUSTMENTS])
+def test_penalty_bias_and_allowed_token_bounds(field, value, words):
+    """As vLLM's: penalties in [-2, 2], a repetition penalty above 0, token ids as keys and values."""
+    with pytest.raises(ValueError, match=f"^invalid SamplingParams: {field} .*{words}") as e:
+        SamplingParams(**{field: value})
+    assert e.value.param == field
+
+
+def test_bias_and_allowed_tokens_must_be_in_the_vocabulary(llm):
+    from asynct.engine.sampling_params import SamplingParamsError
+    p = SamplingParams(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=0.01,
+                       logit_bias={0: -100, 258: 1e6}, allowed_token_ids=(0, 258))
+    p.check_model(259)
+    assert p.allowed_token_ids == [0, 258]
+    for field, value in [("logit_bias", {259: 1.0}), ("allowed_token_ids", [3, 259])]:
+        with pytest.raises(SamplingParamsError, match=f"^{field} .*vocabulary size 259") as e:
+            SamplingParams(**{field: value}).check_model(259)
+        assert e.value.param == field
+        out = llm.generate(["hi"], SamplingParams(**{field: value}), use_tqdm=False)[0]
+        assert field in out.error
+
+
+def token_ids(outs):
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+PENALISED = [dict(frequency_penalty=2.0), dict(repetition_penalty=1.5), dict(repetition_penalty=0.8),
+             dict(presence_penalty=1.5, frequency_penalty=-0.5, logit_bias={151: -3.0}),
+             dict(temperature=0.9, seed=3, n=2, frequency_penalty=1.0, repetition_penalty=1.2)]
+
+
+@pytest.mark.parametrize("setting", [dict(), dict(max_num_batched_tokens=9)], ids=["decode", "mixed-steps"])
+def test_penalties_give_the_same_tokens_with_async_scheduling(tiny_ckpt, setting):
+    """Penalties count every output token so far, and with async scheduling the newest is still
+    on the device when the next step samples: missed, async and synchronous outputs part."""
+    prompts = [{"prompt_token_ids": p} for p in ([7, 7, 7, 9], [1, 2, 3, 4, 5], [100, 101], [3, 3])]
+    llms = [LLM(tiny_ckpt, async_scheduling=mode, num_kv_blocks=100, **setting) for mode in (False, True)]
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    unpenalised = token_ids(llms[0].generate(prompts, plain, use_tqdm=False))
+    for kw in PENALISED:
+        params = SamplingParams(**{"temperature": 0, "max_tokens": 16, "ignore_eos": True, **kw})
+        mixed = [params, plain, params, params]        # a batch of penalised and unpenalised rows
+        sync, async_ = (token_ids(llm.generate(prompts, mixed, use_tqdm=False)) for llm in llms)
+        assert sync == async_, kw
+        if params.greedy:
+            assert sync[1] == unpenalised[1] and all(sync[i] != unpenalised[i] for i in (0, 2, 3)), kw
+
+
+def test_repetition_penalty_equals_transformers(tiny_ckpt, llm):
+    """HF's repetition_penalty is vLLM's: over the prompt and the output so far."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    ref = AutoModelForCausalLM.from_pretrained(tiny_ckpt, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5)
+    for prompt in ([7, 7, 7, 9], [1, 2, 3, 4, 5], [151, 40, 41, 40]):
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.5,
+                            pad_token_id=257, eos_token_id=None)[0, len(prompt):].tolist()
+        assert token_ids(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)) == [want]
+
+
+def test_allowed_token_ids_force_the_token_and_logprobs_stay_raw(llm):
+    """allowed_token_ids=[t] gives t alone, greedy or sampled; as vLLM's default (raw_logprobs),
+    the logprobs returned are the model's, before any adjustment."""
+    t = 42
+    raw = llm.generate(["hi"], SamplingParams(temperature=0, max_tokens=1, logprobs=259), use_tqdm=False)
+    want = raw[0].outputs[0].logprobs[0][t].logprob
+    for temperature in (0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, allowed_token_ids=[t],
+                                logprobs=0)
+        out = llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == [t] * 6
+        assert out.logprobs[0][t].logprob == pytest.approx(want) and want < -1

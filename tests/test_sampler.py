@@ -1,4 +1,5 @@
-"""The sampler and its filters, on hand-made logits: which tokens each setting can draw."""
+"""The sampler and its filters, on hand-made logits: which tokens each setting can draw; the
+penalties, logit_bias and allowed_token_ids against a per-row reference."""
 import math
 
 import torch
@@ -36,3 +37,119 @@ def test_top_p_of_one_keeps_a_long_tail_beside_a_filtered_row():
     out = _filter_top_k_top_p_min_p(logits, seqs)
     assert torch.equal(out[0], logits[0])
     assert out[1].isinf().tolist() == [False, True, True]
+
+
+# ---- penalties, logit_bias, allowed_token_ids ------------------------------------------------
+VOCAB = 517      # not a power of two
+
+
+def reference_adjust(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """vLLM V1's adjustments of one row, token by token."""
+    x = logits.float().clone()
+    if p.allowed_token_ids:
+        keep = x[p.allowed_token_ids].clone()
+        x[:] = float("-inf")
+        x[p.allowed_token_ids] = keep
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    if p.repetition_penalty != 1:
+        for t in set(prompt) | set(output):
+            x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(output):
+        x[t] -= p.frequency_penalty * output.count(t)
+        x[t] -= p.presence_penalty
+    return x
+
+
+ROWS = [  # (prompt, output, params): greedy and sampled, penalised and not
+    ([1, 2, 3, 3], [4, 4, 4, 9], dict(temperature=0)),
+    ([1, 2, 3, 3], [4, 4, 4, 9], dict(temperature=0, frequency_penalty=0.75)),
+    ([5, 6, 7, 8, 9, 10], [11, 11, 12], dict(temperature=0, repetition_penalty=1.5)),
+    ([5, 6, 7, 8, 9, 10], [11, 11, 12], dict(temperature=0.8, seed=3, repetition_penalty=0.5)),
+    ([20, 21], [22, 22, 22, 23], dict(temperature=0, presence_penalty=-1.5, frequency_penalty=-0.5)),
+    ([20, 21], [22, 22, 22, 23], dict(temperature=1.0, seed=4, presence_penalty=2.0, top_k=40, top_p=0.9)),
+    ([30, 31, 32], [33], dict(temperature=0, logit_bias={100: 100.0, 33: -100, 516: 2.5})),
+    ([30, 31, 32], [33], dict(temperature=1.0, seed=5, logit_bias={7: -100.0}, min_p=0.05)),
+    ([40], [41, 41], dict(temperature=0, allowed_token_ids=[13])),
+    ([40], [41, 41], dict(temperature=1.2, seed=6, allowed_token_ids=[13, 500, 41], repetition_penalty=1.25)),
+    ([50, 50, 51], [], dict(temperature=0, repetition_penalty=2.0, frequency_penalty=2.0)),
+    ([60, 61], [62, 63], dict(temperature=0.7, seed=7)),
+    ([70, 71, 72], [73, 74, 73, 75, 73], dict(temperature=0, repetition_penalty=1.25, frequency_penalty=1.0,
+                                              presence_penalty=0.5, logit_bias={73: 1.0},
+                                              allowed_token_ids=[73, 74, 80])),
+]
+
+
+def make_seqs(rows) -> list[Sequence]:
+    seqs = []
+    for i, (prompt, output, kw) in enumerate(rows):
+        s = Sequence(i, str(i), 0, prompt, SamplingParams(**kw), 16)
+        for t in output:
+            s.append_token(t)
+        seqs.append(s)
+    return seqs
+
+
+def reference(logits: torch.Tensor, rows) -> torch.Tensor:
+    return torch.stack([reference_adjust(x, p, o, SamplingParams(**kw)) for x, (p, o, kw) in zip(logits, rows)])
+
+
+def awkward_logits(rows, seed: int = 0) -> torch.Tensor:
+    """Negative and positive logits, the tokens the rows name among the largest (so that the
+    adjustments decide what is drawn)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), VOCAB, generator=g) * 3
+    for i, (prompt, output, _) in enumerate(rows):
+        for t in {*prompt, *output}:
+            logits[i, t] = (1 if t % 2 else -1) * (6 + torch.rand(1, generator=g).item())
+    return logits
+
+
+def test_adjustments_equal_a_per_row_reference():
+    from asynct.engine.penalties import adjust_logits
+    logits = awkward_logits(ROWS)
+    seqs = make_seqs(ROWS)
+    got = adjust_logits(logits, seqs)
+    assert torch.equal(got, reference(logits, ROWS))
+    assert torch.equal(logits, awkward_logits(ROWS))       # the raw logits (for logprobs) are left alone
+
+
+def test_sampling_draws_from_the_adjusted_logits():
+    """Greedy rows take the argmax of the adjusted logits; sampled rows draw what the same seed
+    draws from the reference's logits; an allowed token alone is drawn, greedy or not."""
+    for seed in range(5):
+        logits = awkward_logits(ROWS, seed)
+        seqs = make_seqs(ROWS)
+        want = reference(logits, ROWS)
+        plain = [(p, o, {k: v for k, v in kw.items() if k in ("temperature", "seed", "top_k", "top_p", "min_p")})
+                 for p, o, kw in ROWS]
+        got = sample(logits, seqs)
+        assert torch.equal(got, sample(want, make_seqs(plain)))
+        assert got[8] == 13 and got.tolist() != sample(logits, make_seqs(plain)).tolist()
+        assert got[12] in (73, 74, 80)
+
+
+def test_rows_without_adjustments_keep_their_logits():
+    from asynct.engine.penalties import adjust_logits
+    logits = awkward_logits([ROWS[0], ROWS[11], ROWS[0]])
+    seqs = make_seqs([ROWS[0], ROWS[11], ROWS[0]])
+    assert adjust_logits(logits, seqs) is logits
+    mixed = make_seqs([ROWS[0], ROWS[1], ROWS[11]])
+    out = adjust_logits(logits, mixed)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2]) and not torch.equal(out[1], logits[1])
+
+
+def test_a_pending_token_on_the_device_is_counted():
+    """Async scheduling: a sequence's newest output token may be only in the step before's
+    sampled tensor (num_pending_tokens, sample_row); the penalties count it there."""
+    from asynct.engine.penalties import adjust_logits
+    rows = [ROWS[1], ROWS[0], ROWS[2], ROWS[4], ROWS[11]]
+    logits = awkward_logits(rows)
+    full = [(p, o + [t], kw) for (p, o, kw), t in zip(rows, (4, 5, 300, 23, 62))]
+    seqs = make_seqs(rows)
+    prev_sampled = torch.tensor([99, 4, 300, 62, 23, 5])       # the step before's samples
+    for s, row in zip(seqs, (1, 5, 2, 4, 3)):
+        s.num_pending_tokens, s.sample_row = 1, row
+    got = adjust_logits(logits, seqs, prev_sampled)
+    assert torch.equal(got, reference(logits, full))
+    assert not torch.equal(got, adjust_logits(logits, make_seqs(rows)))     # the pending tokens mattered

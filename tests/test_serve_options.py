@@ -87,8 +87,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
     """`tools` is rendered by the chat template as LLM.chat renders it (the server dropped it);
-    response_format other than text and repetition_penalty other than 1 are refused with a 400
-    that names the field (they were ignored: no guided decoding, no penalties in the sampler)."""
+    response_format other than text is refused with a 400 that names the field (it was ignored:
+    no guided decoding)."""
     msgs = [{"role": "user", "content": "hi"}]
     want = LLM(tiny_ckpt).chat(msgs, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=TOOLS_TEMPLATE,
                                tools=TOOLS)[0].prompt_token_ids
@@ -104,8 +104,7 @@ def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
         assert tokenized["tokens"] == want            # /tokenize renders a chat as the chat route does
         assert chat(response_format={"type": "text"}, repetition_penalty=1.0).status_code == 200
         for field, value in [("response_format", {"type": "json_object"}),
-                             ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-                             ("repetition_penalty", 1.3)]:
+                             ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}})]:
             for path, extra in (("/v1/chat/completions", body), ("/v1/completions", {"prompt": "hi"})):
                 r = httpx.post(url + path, json={**extra, field: value}, timeout=60)
                 err = r.json()["error"]
@@ -116,8 +115,8 @@ def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
 
 # vLLM's request fields that change the output, with a value asynct cannot apply and their no-op
 VLLM_UNAPPLIED = [
-    ("use_beam_search", True, False), ("truncate_prompt_tokens", 2, None), ("allowed_token_ids", [65], None),
-    ("bad_words", ["a"], []), ("prompt_logprobs", 1, None), ("logprob_token_ids", [65], None),
+    ("use_beam_search", True, False), ("truncate_prompt_tokens", 2, None), ("bad_words", ["a"], []),
+    ("prompt_logprobs", 1, None), ("logprob_token_ids", [65], None),
     ("structured_outputs", {"choice": ["a", "b"]}, None), ("guided_json", {"type": "object"}, None),
     ("guided_regex", "a+", None), ("guided_choice", ["a", "b"], None), ("guided_grammar", "root ::= 'a'", None),
     ("return_tokens_as_token_ids", True, False), ("priority", 1, 0), ("thinking_token_budget", 4, -1),
@@ -126,8 +125,8 @@ VLLM_UNAPPLIED = [
 
 
 def test_vllm_fields_asynct_cannot_apply_are_400(tiny_ckpt):
-    """Each was an unknown field, dropped: the answer came as if it had not been sent (allowed
-    tokens not restricted, no prompt_logprobs, logprob tokens as text, the prompt not truncated...).
+    """Each was an unknown field, dropped: the answer came as if it had not been sent (no
+    prompt_logprobs, logprob tokens as text, the prompt not truncated...).
     At vLLM's no-op value it is still accepted."""
     app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None)
     bodies = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}

@@ -323,7 +323,9 @@ BAD = [  # (why, body or raw bytes, headers, status, words in the message)
     ("n = 0", {"model": "tiny", "prompt": "x", "n": 0}, None, 400, "n must be"),
     ("max_tokens = 0", {"model": "tiny", "prompt": "x", "max_tokens": 0}, None, 400, "max_tokens"),
     ("too many logprobs", {"model": "tiny", "prompt": "x", "logprobs": 100}, None, 400, "logprobs"),
-    ("unsupported penalty", {"model": "tiny", "prompt": "x", "presence_penalty": 1.0}, None, 400, "presence_penalty"),
+    ("penalty out of range", {"model": "tiny", "prompt": "x", "presence_penalty": 2.5}, None, 400, "presence_penalty"),
+    ("logit_bias key not a token id", {"model": "tiny", "prompt": "x", "logit_bias": {"x": 1}}, None, 400,
+     "logit_bias"),
     ("empty prompt", {"model": "tiny", "prompt": ""}, None, 400, "empty"),
     ("empty prompt list", {"model": "tiny", "prompt": []}, None, 400, "empty"),
     ("token outside vocab", {"model": "tiny", "prompt": [1, 99999]}, None, 400, "outside the vocabulary"),
@@ -348,6 +350,32 @@ def test_bad_input_then_good(url, llm, why, body, headers, status, words):
         temperature=0, max_tokens=4)).outputs[0].text
 
 
+def test_penalties_and_logit_bias_as_openai_sends_them(url, client, llm):
+    """OpenAI's clients send logit_bias with token ids as string keys, and penalties: they were a
+    400. As vLLM's server, a bias is clamped to [-100, 100]; null is the default."""
+    first = ref(llm, "hi", SamplingParams(temperature=0, max_tokens=1, logprobs=259)).outputs[0].logprobs[0]
+    low, high = min(first, key=lambda t: first[t].logprob), max(first, key=lambda t: first[t].logprob)
+    # unclamped, +1000 would win for the least likely token; at +100 each, the likelier does
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0,
+                                  logit_bias={str(low): 1000, str(high): 100})
+    clamped = ref(llm, "hi", SamplingParams(temperature=0, max_tokens=4, logit_bias={low: 100.0, high: 100.0}))
+    assert r.choices[0].text == clamped.outputs[0].text
+    assert ref(llm, "hi", SamplingParams(temperature=0, max_tokens=1, logit_bias={low: 1000.0})).outputs[0].token_ids \
+        == [low]
+    kw = dict(frequency_penalty=1.5, presence_penalty=-0.5)
+    want = ref(llm, "hi", SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3, **kw)).outputs[0].text
+    assert want != ref(llm, "hi").outputs[0].text
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=16, temperature=0, **kw,
+                                  extra_body={"repetition_penalty": 1.3})
+    assert r.choices[0].text == want
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "temperature": 0, "allowed_token_ids": [65]}
+    assert post(url, body).json()["choices"][0]["text"] == "AAA"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 16, "temperature": 0}
+    nulls = dict.fromkeys(("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                           "allowed_token_ids"))
+    assert post(url, {**body, **nulls}).json()["choices"][0]["text"] == ref(llm, "hi").outputs[0].text
+
+
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 NAMED = [  # (path, body, the field `param` must name): each once answered param null, or "prompt"
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
@@ -359,9 +387,18 @@ NAMED = [  # (path, body, the field `param` must name): each once answered param
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "top_k": 100000}, "top_k"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "five": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"259": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [259]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, "prompt"),
     ("/v1/chat/completions", {**CHAT, "top_p": 0}, "top_p"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": -2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {**CHAT, "logit_bias": {"1.5": 1}}, "logit_bias"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),

@@ -22,11 +22,11 @@ GOOD = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "tem
 LIMITS = ServerLimits(max_n=8, render_timeout=0.5, header_timeout=1.0, max_connections=48)
 
 
-def poisoned_sample(logits, seqs, eos_token_ids=()):
+def poisoned_sample(logits, seqs, *args):
     from asynct.engine.sampler import sample
     if any(s.params.seed == POISON or s.token_ids[:3] == POISON_PROMPT for s in seqs):
         raise RuntimeError("injected sampling failure")
-    return sample(logits, seqs, eos_token_ids)
+    return sample(logits, seqs, *args)
 
 
 class PoisonedEngine(LLMEngine):

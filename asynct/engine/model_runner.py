@@ -251,7 +251,8 @@ class ModelRunner:
         host = {}
         if samplers:
             seqs = [batch.seqs[i] for i in samplers]
-            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_ids)
+            # before last_sampled is replaced: it holds the pending tokens the penalties count
+            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_ids, self.last_sampled)
             self.last_sampled = sampled
             host["tokens"] = to_host(sampled)
             host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)

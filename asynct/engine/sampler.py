@@ -5,6 +5,7 @@ its own noise row from its own generator and gets the same tokens in any batch."
 import torch
 
 from asynct.attention.base import host_to_device
+from asynct.engine.penalties import adjust_logits
 from asynct.engine.sequence import Sequence
 
 
@@ -66,10 +67,12 @@ def suppress_stops(logits, seqs, eos_token_ids=()):
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=()) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sampled=None) -> torch.Tensor:
     """logits [R, V] of the rows that sample -> token ids [R] (on the logits' device). Greedy
-    rows take the argmax of the model-dtype logits; sampling runs in fp32."""
-    logits = suppress_stops(logits, seqs, eos_token_ids)
+    rows take the argmax of the model-dtype logits (fp32 where a row has penalties, a bias or
+    allowed tokens); sampling runs in fp32. `prev_sampled`: the step before's samples, which
+    hold the output tokens still pending on the device (async scheduling), for the penalties."""
+    logits = adjust_logits(suppress_stops(logits, seqs, eos_token_ids), seqs, prev_sampled)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         return logits.argmax(-1)

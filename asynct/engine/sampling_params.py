@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 GREEDY_TEMPERATURE = 1e-5
 INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
-NOT_APPLIED = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-               "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
-               "truncate_prompt_tokens": (None,)}     # field: its values that change nothing
+NOT_APPLIED = {"bad_words": (None, []), "truncate_prompt_tokens": (None,)}   # field: its values that change nothing
+MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [-2, 2]
 
 
 @dataclass
@@ -34,12 +33,13 @@ class SamplingParams:
     # serves no request with prompt_logprobs otherwise: each position's logits must be computed)
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
-    # vLLM's fields that the sampler does not apply: taken at their no-op values (NOT_APPLIED) only
+    # as vLLM V1, on the raw logits of greedy rows too (asynct.engine.penalties)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's fields that the sampler does not apply: taken at their no-op values (NOT_APPLIED) only
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
@@ -49,6 +49,8 @@ class SamplingParams:
         if not problems:
             self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
             self.stop_token_ids = list(self.stop_token_ids or [])
+            if self.allowed_token_ids is not None:
+                self.allowed_token_ids = list(self.allowed_token_ids)
             self.top_k = 0 if self.top_k == -1 else self.top_k
             self.seed = None if self.seed == -1 else self.seed     # as vLLM's: -1 asks for no seed
             problems = [msg for bad, msg in self._checks() if bad]
@@ -78,6 +80,15 @@ class SamplingParams:
              f"stop must be a string or a list of strings, got {self.stop!r:.40}"),
             (not (self.stop_token_ids is None or _list_of(self.stop_token_ids, int)),
              f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r:.40}"),
+            *[(not _is_real(v), f"{name} must be a finite number, got {v!r:.40}")
+              for name, v in (("presence_penalty", self.presence_penalty),
+                              ("frequency_penalty", self.frequency_penalty),
+                              ("repetition_penalty", self.repetition_penalty))],
+            (not (self.logit_bias is None or isinstance(self.logit_bias, dict)
+                  and _list_of(list(self.logit_bias), int) and all(map(_is_real, self.logit_bias.values()))),
+             f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r:.40}"),
+            (not (self.allowed_token_ids is None or _list_of(self.allowed_token_ids, int)),
+             f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r:.40}"),
         ]
 
     def _checks(self):
@@ -99,6 +110,13 @@ class SamplingParams:
              f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}"),
             (any(not s for s in self.stop_list), "stop strings must be non-empty strings"),
             (any(not 0 <= t < INT64_END for t in self.stop_token_ids), "stop_token_ids must be token ids"),
+            *[(not -MAX_PENALTY <= v <= MAX_PENALTY, f"{name} must be in [-2, 2], got {v}")
+              for name, v in (("presence_penalty", self.presence_penalty),
+                              ("frequency_penalty", self.frequency_penalty))],
+            (self.repetition_penalty <= 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (any(not 0 <= t < INT64_END for t in self.logit_bias or ()), "logit_bias keys must be token ids"),
+            (self.allowed_token_ids is not None and not self.allowed_token_ids, "allowed_token_ids must not be empty"),
+            (any(not 0 <= t < INT64_END for t in self.allowed_token_ids or ()), "allowed_token_ids must be token ids"),
             *[(getattr(self, name) not in noops, f"{name} is not supported (only {noops[0]!r})")
               for name, noops in NOT_APPLIED.items()],
         ]
@@ -110,6 +128,10 @@ class SamplingParams:
             (any(t >= vocab_size for t in self.stop_token_ids),
              f"stop_token_ids must be below the vocabulary size {vocab_size}"),
             (self.max_logprobs > vocab_size, f"logprobs={self.max_logprobs} exceeds the vocabulary size {vocab_size}"),
+            (any(t >= vocab_size for t in self.logit_bias or ()),
+             f"logit_bias token ids must be below the vocabulary size {vocab_size}"),
+            (any(t >= vocab_size for t in self.allowed_token_ids or ()),
+             f"allowed_token_ids must be below the vocabulary size {vocab_size}"),
         ]
         bad = [msg for is_bad, msg in problems if is_bad]
         if bad:
@@ -118,6 +140,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty, a bias or allowed_token_ids changes the row's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.allowed_token_ids)
 
     @property
     def max_logprobs(self) -> int:

@@ -39,6 +39,7 @@ class Sequence:
         self.text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
         self.generator = None             # torch.Generator for seeded sampling, made on first use
+        self.prompt_ids_device = None     # the repetition penalty's distinct prompt ids, made on first use
 
     def __len__(self):
         return len(self.token_ids)

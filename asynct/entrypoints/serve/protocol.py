@@ -56,7 +56,8 @@ class SamplingFields(Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None        # OpenAI's: token ids as strings ("50256")
+    allowed_token_ids: TokenIds | None = None
     response_format: dict | None = None
     return_token_ids: bool = False        # extension: token ids in each choice (benchmarks)
     user: str | None = None
@@ -64,7 +65,6 @@ class SamplingFields(Body):
     # other than vLLM's no-op is a 400 rather than an unknown field dropped
     use_beam_search: bool = False
     truncate_prompt_tokens: int | None = None
-    allowed_token_ids: TokenIds | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     logprob_token_ids: TokenIds | None = None
@@ -78,11 +78,9 @@ class SamplingFields(Body):
     thinking_token_budget: int | None = None
     repetition_detection: dict | None = None
     NOT_APPLIED: ClassVar[dict] = {  # field: its values that change nothing
-        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-        "logit_bias": (None, {}), "use_beam_search": (False,), "truncate_prompt_tokens": (None,),
-        "allowed_token_ids": (None,), "bad_words": (None, []), "prompt_logprobs": (None,),
-        "logprob_token_ids": (None,), "structured_outputs": (None,), "guided_json": (None,),
-        "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+        "use_beam_search": (False,), "truncate_prompt_tokens": (None,), "bad_words": (None, []),
+        "prompt_logprobs": (None,), "logprob_token_ids": (None,), "structured_outputs": (None,),
+        "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         "return_tokens_as_token_ids": (None, False), "priority": (0,), "thinking_token_budget": (None, -1),
         "repetition_detection": (None,)}
     # SamplingParams' fields (and the engine's "prompt") that this request calls otherwise: an
@@ -111,9 +109,22 @@ class SamplingFields(Body):
                 top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens)
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+                repetition_penalty=_or(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
+                allowed_token_ids=self.allowed_token_ids)
         except SamplingParamsError as e:
             raise Unsupported(self.api_param(e.param), str(e)) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """As vLLM's server: keys are token ids written as strings, biases clamped to OpenAI's [-100, 100]."""
+        if self.logit_bias is None:
+            return None
+        bad = next((k for k in self.logit_bias if not _is_int_string(k)), None)
+        if bad is not None:
+            raise Unsupported("logit_bias", 'logit_bias keys must be token ids written as strings ("50256"), '
+                                            f"got {bad!r:.40}")
+        return {int(k): min(100.0, max(-100.0, b)) for k, b in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
@@ -293,6 +304,14 @@ def first_invalid_unicode(data) -> str | None:
         elif isinstance(x, list):
             stack += [(f"{path}[{i}]", v) for i, v in enumerate(x)]
     return None
+
+
+def _is_int_string(s: str) -> bool:
+    try:
+        int(s)
+    except ValueError:      # also one of over 4300 digits
+        return False
+    return True
 
 
 def _or(value, default):

@@ -1,0 +1,117 @@
+"""vLLM V1's logit adjustments, made on the raw logits before temperature and the filters, so
+that greedy rows take the argmax of what they leave: allowed_token_ids and logit_bias, then the
+repetition penalty (over prompt and output tokens), then the frequency and presence penalties
+(over output tokens, as OpenAI defines them). Rows without any are not touched."""
+import numpy as np
+import torch
+
+from asynct.attention.base import host_to_device
+
+
+def adjust_logits(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] -> an fp32 copy with each row's adjustments, or `logits` itself where no row
+    has any. A copy, as the logprobs are the raw logits'. `prev_sampled`: the previous step's
+    samples, where a sequence's pending token is (async scheduling)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    if len(rows) == len(seqs):
+        return _adjust(out, seqs, prev_sampled)
+    idx = host_to_device(rows, torch.long, logits.device)
+    out[idx] = _adjust(out[idx], [seqs[i] for i in rows], prev_sampled)
+    return out
+
+
+def _adjust(logits, seqs, prev_sampled):
+    _allow(logits, seqs)
+    _bias(logits, seqs)
+    if any(_penalised(s.params) for s in seqs):
+        logits = _penalise(logits, seqs, prev_sampled)
+    return logits
+
+
+def _penalised(p) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
+
+
+def _allow(logits, seqs):
+    rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids]
+    if not rows:
+        return
+    dev, vocab = logits.device, logits.shape[1]
+    flat = [i * vocab + t for i in rows for t in seqs[i].params.allowed_token_ids]
+    blocked = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
+    blocked[host_to_device(rows, torch.long, dev)] = True
+    blocked.view(-1)[host_to_device(flat, torch.long, dev)] = False
+    logits.masked_fill_(blocked, float("-inf"))
+
+
+def _bias(logits, seqs):
+    vocab, dev = logits.shape[1], logits.device
+    pairs = [(i * vocab + t, b) for i, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items()]
+    if pairs:
+        flat, bias = zip(*pairs)
+        logits.view(-1).index_add_(0, host_to_device(flat, torch.long, dev), host_to_device(bias, torch.float32, dev))
+
+
+def _penalise(logits, seqs, prev_sampled):
+    """As vLLM: a seen token's positive logit is divided by the repetition penalty, a negative one
+    multiplied; then the frequency penalty per output occurrence, the presence penalty once."""
+    prompt_seen, counts = _token_counts(logits, seqs, prev_sampled)
+    dev = logits.device
+    rep, freq, pres = (host_to_device([getattr(s.params, name) for s in seqs], torch.float32, dev)[:, None]
+                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    repeated = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(prompt_seen | (counts > 0), repeated, logits)
+    logits -= freq * counts
+    logits -= pres * (counts > 0)
+    return logits
+
+
+def _token_counts(logits, seqs, prev_sampled):
+    """(prompt tokens seen [R, V], output token counts [R, V]) from one scatter into [2, R, V]:
+    the host's work each step is index lists, never a [R, V] tensor."""
+    rows, vocab = logits.shape
+    dev = logits.device
+    index = torch.cat([_prompt_index(seqs, vocab, dev), _output_index(seqs, rows, vocab, dev),
+                       _pending_index(seqs, rows, vocab, prev_sampled, dev)])
+    counts = torch.zeros(2 * rows * vocab, device=dev)
+    counts = counts.scatter_add_(0, index, torch.ones(index.shape, device=dev)).view(2, rows, vocab)
+    return counts[0] > 0, counts[1]
+
+
+def _prompt_index(seqs, vocab, dev):
+    """Flat indices of the prompt's tokens, for the rows with a repetition penalty (only it reads
+    the prompt); each sequence's distinct prompt ids go to the device once, not every step."""
+    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1]
+    if not rows:
+        return torch.zeros(0, dtype=torch.long, device=dev)
+    ids = [_prompt_ids(seqs[i], dev) for i in rows]
+    sizes = [len(x) for x in ids]
+    offsets = host_to_device([i * vocab for i in rows], torch.long, dev)
+    return torch.cat(ids) + offsets.repeat_interleave(host_to_device(sizes, torch.long, dev), output_size=sum(sizes))
+
+
+def _prompt_ids(seq, dev) -> torch.Tensor:
+    if seq.prompt_ids_device is None:
+        seq.prompt_ids_device = host_to_device(sorted(set(seq.token_ids[:seq.num_prompt_tokens])), torch.long, dev)
+    return seq.prompt_ids_device
+
+
+def _output_index(seqs, rows, vocab, dev):
+    """Flat indices, into the second half, of the output tokens the host has."""
+    parts = [np.asarray(s.output_token_ids, dtype=np.int64) + (rows + i) * vocab
+             for i, s in enumerate(seqs) if _penalised(s.params)]
+    return host_to_device(np.concatenate(parts or [np.zeros(0, np.int64)]), torch.long, dev)
+
+
+def _pending_index(seqs, rows, vocab, prev_sampled, dev):
+    """A sequence's newest output token may be on the device only (sampled by the step before,
+    async scheduling): it is read from `prev_sampled` there, without waiting for the host copy."""
+    pending = [(i, s.sample_row) for i, s in enumerate(seqs) if s.num_pending_tokens and _penalised(s.params)]
+    if not pending:
+        return torch.zeros(0, dtype=torch.long, device=dev)
+    dst, src = zip(*pending)
+    offsets = host_to_device([(rows + i) * vocab for i in dst], torch.long, dev)
+    return prev_sampled[host_to_device(src, torch.long, dev)] + offsets
