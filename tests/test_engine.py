@@ -349,9 +349,15 @@ def test_invalid_sampling_params(bad):
     assert again.param == e.value.param in bad and str(again) == str(e.value)
 
 
-def test_tiny_temperature_is_greedy():
-    """As vLLM: below 1e-5, logits / temperature overflows float32, so it means greedy."""
-    assert SamplingParams(temperature=1e-50).greedy and not SamplingParams(temperature=1e-4).greedy
+def test_a_tiny_temperature_is_raised_to_the_floor(caplog):
+    """As vLLM: a positive temperature below 0.01 is raised to 0.01 with a warning (it samples);
+    only 0 is greedy. It was taken as greedy below 1e-5 and as given in between, where
+    logits / temperature can overflow."""
+    for t in (1e-50, 1e-5, 0.005):
+        p = SamplingParams(temperature=t)
+        assert p.temperature == 0.01 and not p.greedy
+    assert "raised to 0.01" in caplog.text
+    assert SamplingParams(temperature=0).greedy and SamplingParams(temperature=0.02).temperature == 0.02
 
 
 # each fits SamplingParams but not the tiny model (vocabulary 259), or broke the step before issue 17

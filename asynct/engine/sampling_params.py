@@ -1,13 +1,16 @@
 """`SamplingParams`, as in vLLM; every value is checked when it is made, before any work starts.
 Types are strict: a bool is not an integer and a string is not a number."""
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 
-# vLLM's threshold: below it, logits / temperature overflows float32 (NaN), so it means greedy
-GREEDY_TEMPERATURE = 1e-5
+# vLLM's floor: below it logits / temperature can overflow float32 (inf, NaN), so a smaller
+# positive temperature is raised to it (with a warning); only 0 means greedy
+MIN_TEMPERATURE = 1e-2
 INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
+log = logging.getLogger("asynct")
 NOT_APPLIED = {"bad_words": (None, []), "truncate_prompt_tokens": (None,)}   # field: its values that change nothing
 MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [-2, 2]
 
@@ -56,8 +59,10 @@ class SamplingParams:
             problems = [msg for bad, msg in self._checks() if bad]
         if problems:
             raise SamplingParamsError.of("invalid SamplingParams: ", problems)
-        if self.temperature < GREEDY_TEMPERATURE:
-            self.temperature = 0.0
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            log.warning("temperature %s is below %s, which can overflow the logits; raised to %s (as vLLM)",
+                        self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
 
     def _type_checks(self):
         """Wrong types, found before anything is converted (list(5) would raise TypeError)."""
