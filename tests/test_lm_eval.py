@@ -333,21 +333,23 @@ def test_generate_until_skips_empty_stop_strings(engine_lm):
 
 
 def test_generate_until_refuses_gen_kwargs_it_cannot_apply(engine_lm):
-    """repetition_penalty (or num_beams > 1) was dropped without a word and the run scored plain
-    greedy text where lm-eval's hf backend applies it; now a ValueError names it before any
-    request runs. num_beams=1 (greedy, as some tasks say) still runs."""
+    """num_beams > 1 was dropped without a word and the run scored plain greedy text where
+    lm-eval's hf backend applies it; now a ValueError names it before any request runs.
+    num_beams=1 (greedy, as some tasks say) still runs; repetition_penalty is applied (it was
+    refused while the engine had no penalties)."""
     from lm_eval.api.instance import Instance
     q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
 
     def req(**kw):
         return Instance("generate_until", {}, (q, {"until": ["\n"], "max_gen_toks": 12, **kw}), 0)
     before = engine_lm.prompt_tokens["total"]
-    for bad in ({"repetition_penalty": 1.3}, {"num_beams": 4}):
-        with pytest.raises(ValueError, match=f"gen_kwargs {next(iter(bad))} not supported"):
-            engine_lm.generate_until([req(), req(**bad)], disable_tqdm=True)
+    with pytest.raises(ValueError, match="gen_kwargs num_beams not supported"):
+        engine_lm.generate_until([req(), req(num_beams=4)], disable_tqdm=True)
     assert engine_lm.prompt_tokens["total"] == before
     kept = req(num_beams=1, repetition_penalty=1.0, do_sample=False)     # values that change nothing
     assert engine_lm.generate_until([kept], disable_tqdm=True) == [" 3 + 4 = 7"]
+    penalised = engine_lm.generate_until([req(repetition_penalty=5.0)] * 2, disable_tqdm=True)
+    assert penalised[0] == penalised[1] != " 3 + 4 = 7"
 
 
 def test_eval_cli_bad_model_args_are_one_line(capsys):

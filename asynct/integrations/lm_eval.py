@@ -31,7 +31,8 @@ from asynct.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 # lm-eval gen_kwargs that SamplingParams takes under the same name
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens")
+_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty")
 
 
 @register_model("asynct")
@@ -221,11 +222,11 @@ class AsyncTLM(TemplateLM):
 
 
 # gen_kwargs values that change nothing (tasks' YAMLs spell them out): taken
-_NO_OPS = {"num_beams": 1, "repetition_penalty": 1.0}
+_NO_OPS = {"num_beams": 1}
 
 
 def _refuse_unsupported(kw: dict):
-    """gen_kwargs the engine has no knob for (repetition_penalty, num_beams=4, ...) were dropped,
+    """gen_kwargs the engine has no knob for (num_beams=4, ...) were dropped,
     and the run scored plain sampling as if they had been applied (lm-eval's hf backend applies
     them, its vllm backend refuses them): refused before anything runs, but for values that
     change nothing (_NO_OPS)."""
