@@ -273,8 +273,9 @@ def test_an_eos_id_of_minus_one_is_none(tiny_ckpt, tmp_path):
     import json
     import shutil
     ckpt = shutil.copytree(tiny_ckpt, tmp_path / "eos-none")
-    config = json.loads((ckpt / "config.json").read_text())
-    (ckpt / "config.json").write_text(json.dumps({**config, "eos_token_id": -1}))
+    for name in ("config.json", "generation_config.json"):    # a converter writes it in both
+        config = json.loads((ckpt / name).read_text())
+        (ckpt / name).write_text(json.dumps({**config, "eos_token_id": -1}))
     llm = LLM(ckpt)
     assert llm.llm_engine.eos_token_ids == [] and llm.llm_engine.runner.eos_token_ids == []
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=4, min_tokens=2),

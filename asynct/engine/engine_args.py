@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asynct.engine.generation_config import check_source
 from asynct.engine.sampling_params import _is_int
 
 
@@ -43,6 +44,11 @@ class EngineArgs:
     seed: int | None = None
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
+    # vLLM's: "auto" takes the model's generation_config.json sampling values as request defaults
+    # and its EOS ids as stop tokens; "vllm" keeps asynct's defaults; or a folder holding the file.
+    # override_generation_config's values win over the file's (engine/generation_config.py)
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
 
     def __post_init__(self):
         for name in FLAGS:
@@ -58,6 +64,9 @@ class EngineArgs:
                              "(docs/vllm.md)")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        check_source(self.generation_config, self.model)
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r:.60}")
         self._check_sizes()
 
     def _check_sizes(self):

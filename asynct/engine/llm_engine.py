@@ -9,6 +9,7 @@ import torch
 from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
+from asynct.engine.generation_config import extra_eos_ids
 from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
@@ -83,6 +84,9 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(args.max_model_len, self.config)
         # plain copies: a transformers config's attribute reads are slow on a per-token path
         self.vocab_size, self.eos_token_ids = self.config.vocab_size, eos_ids(self.config.eos_token_id)
+        # generation_config.json's other EOS ids end a sequence as stop tokens do (vLLM's stop_reason: the id)
+        self.generation_eos_ids = extra_eos_ids(args.generation_config, args.model, self.eos_token_ids,
+                                                self.vocab_size)
         t0 = time.perf_counter()
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
@@ -95,6 +99,7 @@ class LLMEngine:
                         self.max_model_len)
             self.max_model_len = num_blocks * args.block_size
         self.runner.max_model_len = self.max_model_len
+        self.runner.eos_token_ids = [*self.eos_token_ids, *self.generation_eos_ids]   # min_tokens holds them back
         t2 = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
         # where start-up goes: weights, the memory-profiling prefill (first kernel compiles), graphs
@@ -317,7 +322,7 @@ class LLMEngine:
         if seq.num_output_tokens >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop"
-            if token in p.stop_token_ids:
+            if token in p.stop_token_ids or (token in self.generation_eos_ids and not p.ignore_eos):
                 seq.stop_reason = token
                 return "stop"
         if self.detokenizer and self.requests[seq.request_id].incremental:

@@ -54,12 +54,18 @@ def add_engine_args(p: argparse.ArgumentParser):
                    help="fp8: e4m3 KV cache, static scales from the weights (docs/fp8_kv.md)")
     g.add_argument("--data-parallel-size", type=int, default=1,
                    help="engine processes, one per GPU, each with the whole model (docs/serving.md)")
+    g.add_argument("--generation-config", default="auto",
+                   help="auto: the model's generation_config.json gives sampling defaults and EOS ids; "
+                        "vllm: asynct's own defaults; or a folder holding such a file")
+    g.add_argument("--override-generation-config", type=json_object, default=None, metavar="JSON",
+                   help='sampling defaults over the file\'s, e.g. \'{"temperature": 0.5}\'')
 
 
 def engine_kwargs(a) -> dict:
     keys = ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "gpu_memory_utilization", "attention_backend", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
-            "async_scheduling", "kv_cache_dtype", "data_parallel_size")
+            "async_scheduling", "kv_cache_dtype", "data_parallel_size", "generation_config",
+            "override_generation_config")
     return {k: getattr(a, k) for k in keys}
 
 
@@ -121,6 +127,16 @@ def read_prompts(a) -> list:
             print("reading one prompt from stdin (end with Ctrl-D)", file=sys.stderr)
         prompts = [sys.stdin.read()]
     return prompts
+
+
+def json_object(s: str) -> dict:
+    try:
+        value = json.loads(s)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a JSON object such as '{{\"temperature\": 0.5}}'")
+    return value
 
 
 def token_ids(s: str) -> list[int]:

@@ -7,6 +7,7 @@ from functools import partial
 from tqdm.auto import tqdm
 
 from asynct.engine.engine_args import EngineArgs
+from asynct.engine.generation_config import request_defaults
 from asynct.engine.llm_engine import FAILED_REQUEST, LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
@@ -29,12 +30,17 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM options {unknown}; known: {sorted(known - {'model'})}")
         args = EngineArgs(model=str(model), **kwargs)
+        self.default_sampling_params = request_defaults(args)
         if args.data_parallel_size != 1:   # engine processes, one per GPU, behind LLMEngine's interface
             from asynct.engine.data_parallel import DataParallelEngine
             self.llm_engine = DataParallelEngine(args)
         else:
             self.llm_engine = LLMEngine(args)
         self._next_id = 0
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what generate uses without SamplingParams (the generation config's values)."""
+        return SamplingParams(**self.default_sampling_params)
 
     def get_tokenizer(self):
         d = self.llm_engine.detokenizer
@@ -55,7 +61,7 @@ class LLM:
             self._next_id += 1
             ids.append(rid)
             try:
-                self.llm_engine.add_request(rid, _prompt_input(prompt), p or SamplingParams())
+                self.llm_engine.add_request(rid, _prompt_input(prompt), p or self.get_default_sampling_params())
             except ValueError as e:
                 log.warning("request %s failed: %s", rid, e, extra={FAILED_REQUEST: rid})
                 results[rid] = _error_output(rid, prompt, str(e))

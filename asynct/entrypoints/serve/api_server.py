@@ -212,15 +212,17 @@ def make_app(model: str, served_model_name: str | None = None, api_key: str | No
     import time
 
     from asynct.engine.engine_args import EngineArgs
+    from asynct.engine.generation_config import request_defaults
     from asynct.engine.llm_engine import LLMEngine
     from asynct.entrypoints.chat_utils import load_chat_template
     from asynct.engine.detokenizer import Detokenizer
     template, args = load_chat_template(chat_template), EngineArgs(model=str(model), **engine_kwargs)
     if template is not None and Detokenizer.from_path(args.tokenizer or args.model) is None:
         raise ValueError("--chat-template needs a tokenizer; this checkpoint has none")
+    defaults = request_defaults(args)
     t0 = time.perf_counter()
     engine = AsyncEngine(args, max_queued_requests, make_engine or LLMEngine)
-    ctx = ServingContext(engine, str(model), served_model_name, limits)
+    ctx = ServingContext(engine, str(model), served_model_name, limits, defaults)
     if template is not None:
         ctx.tokenizer.chat_template = template
     if engine.summary:

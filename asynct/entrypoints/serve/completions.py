@@ -16,7 +16,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     ctx.check_model(body.model)
     ctx.check_n(body.n)
     try:
-        params = body.to_params()
+        params = body.to_params(ctx.sampling_defaults)
         prompts = body.prompts()
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None

@@ -91,8 +91,11 @@ class SamplingFields(Body):
         return self.RENAMED.get(field, field)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError (a 400) for values the engine rejects or cannot honour."""
+                        prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+        """Raises ValueError (a 400) for values the engine rejects or cannot honour. `defaults`:
+        the generation config's values for the fields left unset (null), as vLLM's server."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+             **(defaults or {})}
         for name, noops in self.NOT_APPLIED.items():
             if getattr(self, name) not in noops:
                 raise Unsupported(name, f"{name} is not supported (only {' or '.join(map(json.dumps, noops))})")
@@ -105,13 +108,15 @@ class SamplingFields(Body):
                 raise Unsupported(name, f"{name} must be at most {MAX_LOGPROBS}, got {k}")
         try:
             return SamplingParams(
-                n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
-                top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0), seed=self.seed, max_tokens=max_tokens,
+                n=self.n, temperature=_or(self.temperature, d["temperature"]), top_p=_or(self.top_p, d["top_p"]),
+                top_k=_or(self.top_k, d["top_k"]), min_p=_or(self.min_p, d["min_p"]), seed=self.seed,
+                max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, 1.0), logit_bias=self._logit_bias(),
+                repetition_penalty=_or(self.repetition_penalty, d["repetition_penalty"]),
+                logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids)
         except SamplingParamsError as e:
             raise Unsupported(self.api_param(e.param), str(e)) from None
@@ -153,7 +158,7 @@ class CompletionRequest(SamplingFields):
             raise Unsupported("prompt", "prompt is empty")
         return list(p)
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):
@@ -163,7 +168,7 @@ class CompletionRequest(SamplingFields):
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
         plp = self.logprobs if self.echo and self.logprobs is not None else None
-        return self.sampling_params(max_tokens, self.logprobs, plp)
+        return self.sampling_params(max_tokens, self.logprobs, plp, defaults)
 
 
 class TextPart(BaseModel):
@@ -225,12 +230,12 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             return "max_completion_tokens"
         return {"logprobs": "top_logprobs", "prompt": "messages"}.get(field, field)
 
-    def to_params(self) -> SamplingParams:
+    def to_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k)
+        return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k, defaults=defaults)
 
     def echoed(self) -> str:
         """What echo puts in front of the answer: as vLLM, the last message's content where the

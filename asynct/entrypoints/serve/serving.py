@@ -74,8 +74,10 @@ def _settle(future, result, error):
 
 class ServingContext:
     def __init__(self, engine: AsyncEngine, model_dir: str, served_model_name: str | None,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, sampling_defaults: dict | None = None):
         self.engine, self.limits = engine, limits or ServerLimits()
+        # the generation config's values for the fields a request leaves unset (vLLM's)
+        self.sampling_defaults = sampling_defaults or {}
         self.workers = Workers()
         self.model_name = served_model_name or model_dir
         self.aliases = {self.model_name, model_dir}
@@ -136,6 +138,9 @@ class ServingContext:
         except ValueError as e:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
         self._check_fits(len(ids), params.max_tokens, body)
+        default = self.sampling_defaults.get("max_tokens")
+        if default is not None:   # as vLLM: the generation config's max_new_tokens caps every request
+            params.max_tokens = min(default, params.max_tokens or default)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int | None, body):
         """As vLLM's server: the prompt and max_tokens must fit in max_model_len together, or 400.
