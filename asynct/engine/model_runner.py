@@ -12,7 +12,7 @@ import torch
 
 from asynct import ops
 from asynct.attention import StepInputs, resolve_backend
-from asynct.attention.base import host_to_device
+from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
@@ -191,13 +191,14 @@ class ModelRunner:
         finally:
             reset_context()
 
-    def _input_ids(self, ids, pending):
-        input_ids = host_to_device(ids, torch.long, self.device)
+    def _inputs(self, ids, pos, pending):
+        """(input ids, positions) on the device in one copy, the pending tokens filled in there."""
+        dst, src = zip(*pending) if pending else ((), ())
+        input_ids, positions, dst, src = host_to_device_many(
+            [(ids, torch.int64), (pos, torch.int64), (dst, torch.int64), (src, torch.int64)], self.device)
         if pending:
-            dst, src = zip(*pending)
-            input_ids[host_to_device(dst, torch.long, self.device)] = \
-                self.last_sampled[host_to_device(src, torch.long, self.device)]
-        return input_ids
+            input_ids[dst] = self.last_sampled[src]
+        return input_ids, positions
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
@@ -208,8 +209,7 @@ class ModelRunner:
         ids, pos, step, pending = self.step_inputs(batch)
         metadata = self.builder.build(step)
         events = self._events()
-        input_ids = self._input_ids(ids, pending)
-        positions = host_to_device(pos, torch.long, self.device)
+        input_ids, positions = self._inputs(ids, pos, pending)
         hidden, kind = self._run_model(input_ids, positions, metadata, batch)
         samplers, prompt_rows, host = self._sample(batch, hidden, metadata.query_start_loc_cpu)
         if events:

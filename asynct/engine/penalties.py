@@ -5,7 +5,7 @@ repetition penalty (over prompt and output tokens), then the frequency and prese
 import numpy as np
 import torch
 
-from asynct.attention.base import host_to_device
+from asynct.attention.base import host_to_device, host_to_device_many
 
 
 def adjust_logits(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,8 +60,9 @@ def _penalise(logits, seqs, prev_sampled):
     multiplied; then the frequency penalty per output occurrence, the presence penalty once."""
     prompt_seen, counts = _token_counts(logits, seqs, prev_sampled)
     dev = logits.device
-    rep, freq, pres = (host_to_device([getattr(s.params, name) for s in seqs], torch.float32, dev)[:, None]
-                       for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    rep, freq, pres = (t[:, None] for t in host_to_device_many(
+        [([getattr(s.params, name) for s in seqs], torch.float32)
+         for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")], dev))
     repeated = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(prompt_seen | (counts > 0), repeated, logits)
     logits -= freq * counts
@@ -89,8 +90,8 @@ def _prompt_index(seqs, vocab, dev):
         return torch.zeros(0, dtype=torch.long, device=dev)
     ids = [_prompt_ids(seqs[i], dev) for i in rows]
     sizes = [len(x) for x in ids]
-    offsets = host_to_device([i * vocab for i in rows], torch.long, dev)
-    return torch.cat(ids) + offsets.repeat_interleave(host_to_device(sizes, torch.long, dev), output_size=sum(sizes))
+    offsets, counts = host_to_device_many([([i * vocab for i in rows], torch.int64), (sizes, torch.int64)], dev)
+    return torch.cat(ids) + offsets.repeat_interleave(counts, output_size=sum(sizes))
 
 
 def _prompt_ids(seq, dev) -> torch.Tensor:
@@ -113,5 +114,5 @@ def _pending_index(seqs, rows, vocab, prev_sampled, dev):
     if not pending:
         return torch.zeros(0, dtype=torch.long, device=dev)
     dst, src = zip(*pending)
-    offsets = host_to_device([(rows + i) * vocab for i in dst], torch.long, dev)
-    return prev_sampled[host_to_device(src, torch.long, dev)] + offsets
+    offsets, src = host_to_device_many([([(rows + i) * vocab for i in dst], torch.int64), (src, torch.int64)], dev)
+    return prev_sampled[src] + offsets
