@@ -2,6 +2,7 @@
 graph gain measured cleanly (same engine, same sequences, warm, many steps each way).
 
     python benchmarks/profile_decode.py [--model DIR] [--batch 256] [--context 1024] [--shared-prefix 700]
+    python benchmarks/profile_decode.py --batch 1 --context 384 --timeline    # where a graphed step goes
 """
 import argparse
 import tempfile
@@ -56,6 +57,34 @@ def kernel_summary(eng, steps=5):
     return wall, kernel, sorted(top.items(), key=lambda kv: -kv[1])[:12]
 
 
+def graph_timeline(eng, steps=20):
+    """Graph-replayed steps from the profiler's kernel records: per kernel, its duration and its
+    advance (the next kernel's start minus its own). Under PDL a kernel starts early and waits, so
+    its duration overstates it; the advances of a step add up to the step's span."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        mean_step(eng, steps)
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                     and e.device_time > 0), key=lambda e: e.time_range.start)
+    runs, cur = [], [events[0]]
+    for a, b in zip(events, events[1:]):
+        if b.time_range.start - a.time_range.end > 20:     # the host's gap between two steps
+            runs.append(cur)
+            cur = []
+        cur.append(b)
+    runs = [r for r in runs + [cur] if len(r) > 50][1:-1]     # whole steps only
+    rows = {}
+    for r in runs:
+        for a, b in zip(r, r[1:] + [None]):
+            n, dur, adv = rows.get(a.name[:60], (0, 0.0, 0.0))
+            rows[a.name[:60]] = (n + 1, dur + a.device_time,
+                                 adv + (b or a).time_range.start - a.time_range.start + (0 if b else a.device_time))
+    span = sum(r[-1].time_range.end - r[0].time_range.start for r in runs) / len(runs)
+    print(f"graph steps: {len(runs)}, {len(runs[0])} kernels and copies a step, span {span:.1f} us")
+    print(f"{'kernel':60s} {'a step':>6s} {'dur us':>7s} {'advance us':>10s} {'a step us':>9s}")
+    for name, (n, dur, adv) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
+        print(f"{name:60s} {n / len(runs):6.0f} {dur / n:7.2f} {adv / n:10.2f} {adv / len(runs):9.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -64,10 +93,15 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--shared-prefix", type=int, default=0,
                     help="leading prompt tokens all sequences share (gsm8k-shaped: 700 of ~900)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="only the graph-replayed step's kernels: durations and what each adds to the step")
     a = ap.parse_args()
     model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
     llm = LLM(str(model), max_num_seqs=a.batch, gpu_memory_utilization=0.6)
     eng = fill_decodes(llm, a.batch, a.context, a.shared_prefix)
+    if a.timeline:
+        mean_step(eng, 30)
+        return graph_timeline(eng)
     runner = eng.runner
     graphs = runner.graphs
     mean_step(eng, 5)
