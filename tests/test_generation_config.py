@@ -110,3 +110,32 @@ def test_a_bad_file_stops_the_server_before_its_engine_starts(tiny_ckpt, tmp_pat
     ckpt = with_generation_config(tiny_ckpt, tmp_path / "m", top_p=1.5)
     with pytest.raises(ValueError, match="generation config's sampling defaults: .*top_p"):
         make_app(ckpt, device="cpu")
+
+
+def test_the_max_new_tokens_cap_is_checked_as_vllm_checks_it(tiny_ckpt, tmp_path):
+    """The cap was applied to the request's SamplingParams after they were checked: min_tokens
+    above it ran to the cap, silently short of min_tokens (vLLM's 400: min_tokens exceeds
+    max_tokens); and, a completions request's prompts sharing those params, a later prompt was
+    fitted in the context with the capped max_tokens and an earlier one with the request's, so
+    that the order of the prompts decided between a 200 and a 400."""
+    import httpx
+
+    from asynct.entrypoints.serve.api_server import make_app
+    from asynct.entrypoints.serve.launch import ServerThread
+    ckpt = with_generation_config(tiny_ckpt, tmp_path / "m", max_new_tokens=3)
+    short, long = [72, 105], [72] * 20      # 20 + 16 > max_model_len 32 (as vLLM: the request's max_tokens)
+    with ServerThread(make_app(ckpt, device="cpu", max_model_len=32, log_stats_interval=None)) as url:
+        def post(route, **body):
+            return httpx.post(url + route, json={"max_tokens": 16, **body}, timeout=60)
+        r = post("/v1/completions", prompt=short, min_tokens=5, ignore_eos=True)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        assert "max_new_tokens" in r.json()["error"]["message"]
+        r = post("/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], max_tokens=None,
+                 min_tokens=4)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+        for prompts in ([short, long], [long, short]):
+            r = post("/v1/completions", prompt=prompts)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "input_tokens", (prompts, r.text)
+            assert "max_tokens is 16" in r.json()["error"]["message"]
+        ok = post("/v1/completions", prompt=[short, short], min_tokens=3, ignore_eos=True, return_token_ids=True)
+        assert [len(c["token_ids"]) for c in ok.json()["choices"]] == [3, 3], ok.text

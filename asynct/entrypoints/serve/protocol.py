@@ -96,6 +96,13 @@ class SamplingFields(Body):
         the generation config's values for the fields left unset (null), as vLLM's server."""
         d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
              **(defaults or {})}
+        cap = d.get("max_tokens")
+        if cap is not None and (max_tokens is None or max_tokens > cap):
+            # as vLLM: the generation config's max_new_tokens caps every request
+            max_tokens = cap
+            if self.min_tokens > cap:
+                raise Unsupported("min_tokens", f"min_tokens={self.min_tokens} exceeds max_tokens={cap}, the "
+                                                "most this model's generation config allows (max_new_tokens)")
         for name, noops in self.NOT_APPLIED.items():
             if getattr(self, name) not in noops:
                 raise Unsupported(name, f"{name} is not supported (only {' or '.join(map(json.dumps, noops))})")
@@ -158,6 +165,12 @@ class CompletionRequest(SamplingFields):
             raise Unsupported("prompt", "prompt is empty")
         return list(p)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """max_tokens as the request asks (before the generation config's cap): what must fit
+        in the context with the prompt, as vLLM checks it. Echo's 0 runs one step."""
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
     def to_params(self, defaults: dict | None = None) -> SamplingParams:
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported")
@@ -166,9 +179,8 @@ class CompletionRequest(SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise Unsupported("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
-        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
         plp = self.logprobs if self.echo and self.logprobs is not None else None
-        return self.sampling_params(max_tokens, self.logprobs, plp, defaults)
+        return self.sampling_params(self.requested_max_tokens, self.logprobs, plp, defaults)
 
 
 class TextPart(BaseModel):
@@ -230,12 +242,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
             return "max_completion_tokens"
         return {"logprobs": "top_logprobs", "prompt": "messages"}.get(field, field)
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return _or(self.max_completion_tokens, self.max_tokens)
+
     def to_params(self, defaults: dict | None = None) -> SamplingParams:
         self._check_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(_or(self.max_completion_tokens, self.max_tokens), k, defaults=defaults)
+        return self.sampling_params(self.requested_max_tokens, k, defaults=defaults)
 
     def echoed(self) -> str:
         """What echo puts in front of the answer: as vLLM, the last message's content where the

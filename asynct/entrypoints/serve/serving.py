@@ -137,10 +137,8 @@ class ServingContext:
             check_stop_strings(self.detok, params)
         except ValueError as e:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
-        self._check_fits(len(ids), params.max_tokens, body)
-        default = self.sampling_defaults.get("max_tokens")
-        if default is not None:   # as vLLM: the generation config's max_new_tokens caps every request
-            params.max_tokens = min(default, params.max_tokens or default)
+        # the request's own max_tokens, as vLLM checks it (params hold the generation config's cap)
+        self._check_fits(len(ids), body.requested_max_tokens, body)
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int | None, body):
         """As vLLM's server: the prompt and max_tokens must fit in max_model_len together, or 400.
