@@ -98,3 +98,22 @@ def test_serve_port_outside_the_tcp_range_fails_at_parse_time(capsys, port):
     with pytest.raises(SystemExit) as e:
         main(["serve", "/nonexistent", "--port", port])
     assert e.value.code == 2 and "argument --port" in capsys.readouterr().err
+
+
+def test_generate_takes_the_generation_configs_defaults_for_unset_flags(tiny_ckpt, tmp_path, capsys):
+    """--generation-config and --override-generation-config were accepted by `asynct generate`
+    and changed nothing: its flags' own defaults (greedy, 64 tokens) made every request's
+    SamplingParams. As the server's unset fields, unset flags take the generation config's
+    values; a flag given wins."""
+    import shutil
+    ckpt = tmp_path / "m"
+    shutil.copytree(tiny_ckpt, ckpt)
+    (ckpt / "generation_config.json").write_text(json.dumps({"max_new_tokens": 3}))
+
+    def lengths(*flags):
+        assert main(["generate", str(ckpt), "--prompt-token-ids", "1,2,3", "--json", *flags]) == 0
+        return [len(json.loads(line)["token_ids"]) for line in capsys.readouterr().out.splitlines()]
+    assert lengths() == [3]
+    assert lengths("--override-generation-config", '{"max_new_tokens": 5}') == [5]
+    assert lengths("--max-tokens", "2") == [2]
+    assert lengths("--generation-config", "vllm", "--max-tokens", "7") == [7]

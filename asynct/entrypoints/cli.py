@@ -14,6 +14,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # the attention backends the engine registers (asynct/attention), named here to keep --help light
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")   # EngineArgs checks the same
+# `asynct generate`'s sampling where neither a flag nor the model's generation config sets a value
+GENERATE_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 64}
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -79,7 +81,9 @@ def cmd_generate(a):
     from asynct import LLM, SamplingParams
     prompts = read_prompts(a)
     llm = LLM(a.model, **engine_kwargs(a))
-    params = SamplingParams(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, max_tokens=a.max_tokens,
+    # flags left unset: the generation config's values, else the command's own defaults
+    given = {k: getattr(a, k) for k in ("temperature", "top_p", "top_k", "max_tokens") if getattr(a, k) is not None}
+    params = SamplingParams(**{**GENERATE_DEFAULTS, **llm.default_sampling_params, **given},
                             seed=a.seed, stop=a.stop or None)
     with _quiet_request_failures():
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -176,10 +180,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", action="append", help="a text prompt (repeatable)")
     g.add_argument("--prompt-token-ids", action="append", type=token_ids, metavar="IDS",
                    help="a prompt as token ids, e.g. 1,2,3 (repeatable; needs no tokenizer)")
-    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt")
-    g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    g.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    # unset, these take the model's generation config's values (--generation-config), else GENERATE_DEFAULTS
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="new tokens per prompt (default: the generation config's max_new_tokens, else 64)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0: greedy (default: the generation config's, else 0)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="nucleus sampling mass (default: the generation config's, else 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help="0: no top-k cut (default: the generation config's, else 0)")
     g.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt, with token ids")
