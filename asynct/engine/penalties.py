@@ -40,19 +40,42 @@ def _allow(logits, seqs):
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[1]
-    flat = [i * vocab + t for i in rows for t in seqs[i].params.allowed_token_ids]
     blocked = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
     blocked[host_to_device(rows, torch.long, dev)] = True
-    blocked.view(-1)[host_to_device(flat, torch.long, dev)] = False
+    blocked.view(-1)[_flat_index([_allowed_ids(seqs[i], dev) for i in rows], rows, vocab, dev)] = False
     logits.masked_fill_(blocked, float("-inf"))
 
 
 def _bias(logits, seqs):
-    vocab, dev = logits.shape[1], logits.device
-    pairs = [(i * vocab + t, b) for i, s in enumerate(seqs) for t, b in (s.params.logit_bias or {}).items()]
-    if pairs:
-        flat, bias = zip(*pairs)
-        logits.view(-1).index_add_(0, host_to_device(flat, torch.long, dev), host_to_device(bias, torch.float32, dev))
+    rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    if not rows:
+        return
+    biases = [_device_bias(seqs[i], logits.device) for i in rows]
+    flat = _flat_index([ids for ids, _ in biases], rows, logits.shape[1], logits.device)
+    logits.view(-1).index_add_(0, flat, torch.cat([values for _, values in biases]))
+
+
+def _allowed_ids(seq, dev) -> torch.Tensor:
+    """A sequence's allowed_token_ids on the device, sent once (not a host list every step)."""
+    if seq.allowed_ids_device is None:
+        seq.allowed_ids_device = host_to_device(seq.params.allowed_token_ids, torch.long, dev)
+    return seq.allowed_ids_device
+
+
+def _device_bias(seq, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sequence's logit_bias as (token ids, biases) on the device, sent once."""
+    if seq.bias_device is None:
+        ids, values = zip(*seq.params.logit_bias.items())
+        seq.bias_device = host_to_device(ids, torch.long, dev), host_to_device(values, torch.float32, dev)
+    return seq.bias_device
+
+
+def _flat_index(ids: list[torch.Tensor], rows: list[int], vocab: int, dev) -> torch.Tensor:
+    """Flat indices into [R, V] of each row's token ids (device tensors): the host sends an
+    offset and a size per row, never a list per token."""
+    sizes = [x.shape[0] for x in ids]
+    offsets, counts = host_to_device_many([([i * vocab for i in rows], torch.int64), (sizes, torch.int64)], dev)
+    return torch.cat(ids) + offsets.repeat_interleave(counts, output_size=sum(sizes))
 
 
 def _penalise(logits, seqs, prev_sampled):
@@ -88,10 +111,7 @@ def _prompt_index(seqs, vocab, dev):
     rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1]
     if not rows:
         return torch.zeros(0, dtype=torch.long, device=dev)
-    ids = [_prompt_ids(seqs[i], dev) for i in rows]
-    sizes = [len(x) for x in ids]
-    offsets, counts = host_to_device_many([([i * vocab for i in rows], torch.int64), (sizes, torch.int64)], dev)
-    return torch.cat(ids) + offsets.repeat_interleave(counts, output_size=sum(sizes))
+    return _flat_index([_prompt_ids(seqs[i], dev) for i in rows], rows, vocab, dev)
 
 
 def _prompt_ids(seq, dev) -> torch.Tensor:
