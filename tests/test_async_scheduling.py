@@ -121,3 +121,19 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(tiny_ckpt, monkeypatch):
             monkeypatch.setattr(mod, "host_to_device", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     eng.step()
     assert len(calls) == 2
+
+
+def test_one_copy_keeps_every_part_16_byte_aligned():
+    """Triton specialises a pointer on 16-byte alignment: parts at 8-byte offsets compiled new
+    variants of the decode and KV-write kernels mid-run on the GPU (H200). Values, dtypes and
+    shapes are the parts'."""
+    import numpy as np
+
+    from asynct.attention.base import host_to_device_many
+    parts = [([1, 2, 3], torch.int32), ([], torch.int64), (np.arange(6, dtype=np.int32).reshape(2, 3), torch.int32),
+             ([2**40, -1], torch.int64), ([0.5, -1.25, 3.0], torch.float32), ([True, False, True], torch.bool),
+             ([7], torch.int32)]
+    out = host_to_device_many(parts, torch.device("cpu"))
+    for (data, dtype), t in zip(parts, out):
+        assert t.dtype == dtype and t.tolist() == np.asarray(data).tolist()
+        assert t.storage_offset() * t.element_size() % 16 == 0
