@@ -115,7 +115,7 @@ def test_chat_tools_reach_the_template_and_unhonoured_fields_are_400(tiny_ckpt):
 
 # vLLM's request fields that change the output, with a value asynct cannot apply and their no-op
 VLLM_UNAPPLIED = [
-    ("use_beam_search", True, False), ("truncate_prompt_tokens", 2, None), ("bad_words", ["a"], []),
+    ("use_beam_search", True, False), ("bad_words", ["a"], []),
     ("prompt_logprobs", 1, None), ("logprob_token_ids", [65], None),
     ("structured_outputs", {"choice": ["a", "b"]}, None), ("guided_json", {"type": "object"}, None),
     ("guided_regex", "a+", None), ("guided_choice", ["a", "b"], None), ("guided_grammar", "root ::= 'a'", None),
@@ -126,7 +126,7 @@ VLLM_UNAPPLIED = [
 
 def test_vllm_fields_asynct_cannot_apply_are_400(tiny_ckpt):
     """Each was an unknown field, dropped: the answer came as if it had not been sent (no
-    prompt_logprobs, logprob tokens as text, the prompt not truncated...).
+    prompt_logprobs, logprob tokens as text...).
     At vLLM's no-op value it is still accepted."""
     app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None)
     bodies = {"/v1/completions": {"prompt": "hi"}, "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]}}

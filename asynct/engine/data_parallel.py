@@ -17,7 +17,7 @@ from asynct.engine.core_client import start_engines
 from asynct.engine.core_proc import apply_delta, dead_snapshot
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs
-from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize
+from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize, truncate_prompt
 from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
@@ -69,6 +69,7 @@ class DataParallelEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = tokenize(self.detokenizer, prompt)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         check_prompt(ids, params, self.vocab_size, self.max_model_len)
         check_stop_strings(self.detokenizer, params)
         self.requests[request_id] = _Request(RequestOutput(request_id, text, ids, None, [], False), params,

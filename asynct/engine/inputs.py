@@ -20,6 +20,15 @@ def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[
     return None, ids
 
 
+def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    """As vLLM: truncate_prompt_tokens keeps the prompt's last k tokens (-1: max_model_len), before
+    the prompt is checked, so that a prompt too long for the context runs truncated."""
+    k = params.truncate_prompt_tokens
+    if k is None:
+        return ids
+    return ids[-(max_model_len if k == -1 else k):]
+
+
 def check_stop_strings(detokenizer: Detokenizer | None, params: SamplingParams):
     """Stop strings are searched for in the output's text: without a tokenizer there is none,
     and they would be ignored silently (generation running on to max_tokens)."""

@@ -10,7 +10,7 @@ from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
 from asynct.engine.generation_config import extra_eos_ids
-from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize
+from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize, truncate_prompt
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampler import eos_ids
@@ -160,6 +160,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
+        ids = truncate_prompt(ids, params, self.max_model_len)
         self.check_prompt(ids, params)
         check_stop_strings(self.detokenizer, params)
         req = Request(request_id, text, ids, params, stream=stream)

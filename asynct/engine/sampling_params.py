@@ -11,7 +11,7 @@ MIN_TEMPERATURE = 1e-2
 INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
 log = logging.getLogger("asynct")
-NOT_APPLIED = {"bad_words": (None, []), "truncate_prompt_tokens": (None,)}   # field: its values that change nothing
+NOT_APPLIED = {"bad_words": (None, [])}   # field: its values that change nothing
 MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [-2, 2]
 
 
@@ -44,6 +44,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # vLLM's fields that the sampler does not apply: taken at their no-op values (NOT_APPLIED) only
     bad_words: list[str] | None = None
+    # as vLLM: keep the prompt's last k tokens (left truncation); -1: the last max_model_len
     truncate_prompt_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
@@ -77,7 +78,8 @@ class SamplingParams:
              f"prompt_logprobs_start must be an integer, got {self.prompt_logprobs_start!r:.40}"),
             *[(v is not None and not _is_int(v), f"{name} must be an integer or None, got {v!r:.40}")
               for name, v in (("seed", self.seed), ("max_tokens", self.max_tokens), ("logprobs", self.logprobs),
-                              ("prompt_logprobs", self.prompt_logprobs))],
+                              ("prompt_logprobs", self.prompt_logprobs),
+                              ("truncate_prompt_tokens", self.truncate_prompt_tokens))],
             *[(not isinstance(v, bool), f"{name} must be a bool, got {v!r:.40}")
               for name, v in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
                               ("include_stop_str_in_output", self.include_stop_str_in_output))],
@@ -110,6 +112,10 @@ class SamplingParams:
             (self.logprobs is not None and self.logprobs < 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (self.prompt_logprobs is not None and self.prompt_logprobs < 0,
              f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
+            (self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                              or self.truncate_prompt_tokens == -1),
+             f"truncate_prompt_tokens must be >= 1 (keep the prompt's last k tokens) or -1 (its last "
+             f"max_model_len), got {self.truncate_prompt_tokens}"),
             (self.prompt_logprobs_start < 0, f"prompt_logprobs_start must be >= 0, got {self.prompt_logprobs_start}"),
             (self.seed is not None and not INT64_MIN <= self.seed < UINT64_END,
              f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}"),

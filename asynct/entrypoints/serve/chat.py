@@ -38,7 +38,8 @@ def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_token
         raise
     except Exception as e:       # template errors (jinja raise_exception, bad roles) are the caller's
         raise ApiError(400, f"the chat template failed on these messages: {e}") from None
-    return ctx.encode(text, add_special_tokens, param="messages")
+    truncated = getattr(body, "truncate_prompt_tokens", None) is not None
+    return ctx.encode(text, add_special_tokens, param="messages", truncated=truncated)
 
 
 def check_template_kwargs(ctx: ServingContext, kwargs: dict):
@@ -62,7 +63,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)
-    ctx.check_prompt(ids, params, body)
+    ids = ctx.check_prompt(ids, params, body)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)
     if body.stream:

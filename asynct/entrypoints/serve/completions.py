@@ -20,10 +20,12 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         prompts = body.prompts()
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
-    ids = await ctx.off_loop(lambda: [ctx.encode(p, body.add_special_tokens) for p in prompts])
-    for p in ids:
-        ctx.check_prompt(p, params, body)
-    texts = [p if isinstance(p, str) else ctx.decode(i, False) for p, i in zip(prompts, ids)]
+    truncated = body.truncate_prompt_tokens is not None
+    encoded = await ctx.off_loop(lambda: [ctx.encode(p, body.add_special_tokens, truncated=truncated) for p in prompts])
+    ids = [ctx.check_prompt(p, params, body) for p in encoded]
+    # echo's text is the prompt as it ran: a truncated one decoded
+    texts = [p if isinstance(p, str) and len(i) == len(e) else ctx.decode(i, False)
+             for p, e, i in zip(prompts, encoded, ids)]
     job = Completion(ctx, body, params, request_id("cmpl"), texts, ids)
     handle = ctx.submit(ids, params, stream=body.stream)
     if body.stream:

@@ -117,20 +117,26 @@ class ServingContext:
             raise ApiError(400, f"this model has no tokenizer, so {what} is not possible: "
                                 "send prompts as token ids")
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt") -> list[int]:
-        """`param`: the request field the text came from (a rendered chat: "messages")."""
+    def encode(self, prompt: str | list[int], add_special_tokens: bool, param: str = "prompt",
+               truncated: bool = False) -> list[int]:
+        """`param`: the request field the text came from (a rendered chat: "messages").
+        `truncated`: the request truncates its prompt, so that a longer text may fit (only
+        --max-prompt-chars bounds it, as vLLM skips its length check then)."""
         if not isinstance(prompt, str):
             return list(prompt)
         self.need_tokenizer("a text prompt")
-        if len(prompt) > self.max_prompt_chars:
+        limit = self.limits.max_prompt_chars if truncated else self.max_prompt_chars
+        if limit and len(prompt) > limit:
             raise ApiError(400, f"the prompt has {len(prompt)} characters; this server tokenises at most "
                                 f"{self.max_prompt_chars} (more cannot fit in max_model_len={self.max_model_len} "
                                 "tokens; --max-prompt-chars)", param=param)
         return self.detok.encode(prompt, add_special_tokens)
 
-    def check_prompt(self, ids: list[int], params: SamplingParams, body):
+    def check_prompt(self, ids: list[int], params: SamplingParams, body) -> list[int]:
         """The engine's own checks, here so that a bad prompt is a 400 before anything queues; a
-        sampling value that does not fit the model (top_k past the vocabulary) names its field."""
+        sampling value that does not fit the model (top_k past the vocabulary) names its field.
+        Returns the prompt as it runs: truncated where the request asks (truncate_prompt_tokens)."""
+        ids = self.truncate(ids, body)
         try:
             self.engine.check_prompt(ids, params)
             # the engine process would refuse them too, but only after a stream's 200 had gone
@@ -139,6 +145,21 @@ class ServingContext:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
         # the request's own max_tokens, as vLLM checks it (params hold the generation config's cap)
         self._check_fits(len(ids), body.requested_max_tokens, body)
+        return ids
+
+    def truncate(self, ids: list[int], body) -> list[int]:
+        """As vLLM's server: truncate_prompt_tokens keeps the prompt's last k tokens, where k is
+        at most what max_tokens leaves of the context (-1: all of that), else a 400 naming it."""
+        k, max_tokens = body.truncate_prompt_tokens, body.requested_max_tokens or 0
+        room = self.max_model_len - max_tokens
+        if k is None or (k == -1 and room < 1):     # no room at all: _check_fits says why
+            return ids
+        keep = room if k == -1 else k
+        if keep > room:
+            raise ApiError(400, f"truncate_prompt_tokens={k} is more than max_model_len ({self.max_model_len}) - "
+                                f"{body.api_param('max_tokens')} ({max_tokens}) = {room} prompt tokens; request a "
+                                "smaller truncation size", param="truncate_prompt_tokens")
+        return ids[-keep:]
 
     def _check_fits(self, num_prompt_tokens: int, max_tokens: int | None, body):
         """As vLLM's server: the prompt and max_tokens must fit in max_model_len together, or 400.
