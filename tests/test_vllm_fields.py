@@ -82,3 +82,56 @@ def test_served_truncation_past_the_room_is_a_400(url, body):
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
         r = post(url, {**extra, "max_tokens": 4, **body}, path)
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens", r.text
+
+
+# ---- the server's prompt_logprobs ------------------------------------------------------------
+def entry_json(entry: dict, k: int) -> dict:
+    """An engine prompt logprob entry as vLLM's server writes it: the prompt's token and the top k."""
+    return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items() if t == next(iter(entry)) or lp.rank <= k}
+
+
+def assert_prompt_logprobs(got: list, want, k: int):
+    assert len(got) == len(want.prompt_token_ids) and got[0] is None
+    for g, e, tid in zip(got[1:], want.prompt_logprobs[1:], want.prompt_token_ids[1:]):
+        w = entry_json(e, k)
+        assert list(g) == list(w) and str(tid) == next(iter(g)) and len(g) >= min(k, 1)
+        for key in w:
+            assert g[key]["rank"] == w[key]["rank"] and g[key]["decoded_token"] == w[key]["decoded_token"]
+            assert g[key]["logprob"] == pytest.approx(w[key]["logprob"], abs=1e-4)
+
+
+def test_prompt_logprobs_on_both_routes_equal_the_engine_s(url, llm):
+    """prompt_logprobs was a 400; as vLLM's server, a completion's choices each carry the prompt's
+    logprobs (None first, then token id -> logprob, rank, decoded_token: the prompt's token and
+    the top k) and a chat response carries them once."""
+    ids = [72, 101, 108, 108, 111, 32, 119]
+    r = post(url, {"prompt": [ids, ids[:4]], "max_tokens": 2, "n": 2, "prompt_logprobs": 3}).json()
+    for choice, prompt in zip(r["choices"], (ids, ids, ids[:4], ids[:4])):
+        want = llm.generate([prompt], greedy(max_tokens=2, prompt_logprobs=3), use_tqdm=False)[0]
+        assert_prompt_logprobs(choice["prompt_logprobs"], want, 3)
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(url, {"messages": messages, "max_tokens": 2, "prompt_logprobs": 0}, "/v1/chat/completions").json()
+    want = llm.generate([list(b"<user>hi<assistant>")], greedy(max_tokens=2, prompt_logprobs=0), use_tqdm=False)[0]
+    assert_prompt_logprobs(r["prompt_logprobs"], want, 0)
+    assert "prompt_logprobs" not in post(url, {"prompt": ids, "max_tokens": 1}).json()["choices"][0]
+
+
+def test_prompt_logprobs_leave_echo_s_rows_as_they_were(url):
+    """The engine computes the larger of echo's logprobs and prompt_logprobs; echo's top_logprobs
+    keep its own k (lm-eval's is_greedy reads them)."""
+    body = {"prompt": [72, 101, 108, 108, 111], "max_tokens": 1, "echo": True, "logprobs": 1}
+    alone, both = post(url, body).json()["choices"][0], post(url, {**body, "prompt_logprobs": 5}).json()["choices"][0]
+    assert both["logprobs"] == alone["logprobs"] and "prompt_logprobs" not in alone
+    assert all(len(e) >= 5 for e in both["prompt_logprobs"][1:])
+
+
+@pytest.mark.parametrize("body", [{"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": 1, "stream": True}])
+def test_bad_prompt_logprobs_are_400s(url, body):
+    """More than 20 (as logprobs) or a stream (as vLLM's: a stream carries none) is a 400 naming it."""
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = post(url, {**extra, "max_tokens": 2, **body}, path)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    assert post(url, {"prompt": "hi", "max_tokens": 2, "stream": True, "prompt_logprobs": 0}).status_code == 200
+

@@ -10,7 +10,8 @@ from fastapi.responses import JSONResponse
 from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.protocol import ChatCompletionRequest, ChatTemplateFields
 from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
-                                              collect, error_body, finite, request_id, sse, usage)
+                                              collect, error_body, finite, prompt_logprobs_json, request_id, sse,
+                                              usage)
 
 
 def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_tokens: bool) -> list[int]:
@@ -87,7 +88,10 @@ class Chat:
                     "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
         n = sum(len(c.token_ids) for c in out.outputs)
-        return {**self._head("chat.completion", choices), "usage": usage(self.num_prompt_tokens, n)}
+        response = {**self._head("chat.completion", choices), "usage": usage(self.num_prompt_tokens, n)}
+        if self.body.prompt_logprobs is not None:     # as vLLM, on the response: one prompt for all choices
+            response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.body.prompt_logprobs)
+        return response
 
     def _logprobs(self, c, start, end):
         if not self.body.logprobs:

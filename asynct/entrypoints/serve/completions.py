@@ -9,7 +9,8 @@ from fastapi.responses import JSONResponse
 from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.protocol import CompletionRequest
 from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
-                                              collect, error_body, finite, request_id, sse, usage)
+                                              collect, error_body, finite, prompt_logprobs_json, request_id, sse,
+                                              top_k, usage)
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
@@ -53,6 +54,8 @@ class Completion:
                 plp = (out.prompt_logprobs or [None]) if self.body.echo else None
                 choice = self._choice(i, c, text, 0, n, plp)
                 choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
+                if self.body.prompt_logprobs is not None:     # as vLLM, on each choice
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.body.prompt_logprobs)
                 choices.append(choice)
                 generated += n
         return {**self._head(choices), "usage": usage(sum(map(len, self.ids)), generated)}
@@ -80,7 +83,8 @@ class Completion:
     def _prompt_rows(self, i, plp):
         ids = self.ids[i]
         first = (self.ctx.decode(ids[:1], False), None, None)
-        return [first] + [token_row(t, e) for t, e in zip(ids[1:], plp[1:])]
+        k = self.body.logprobs
+        return [first] + [token_row(t, top_k(e, k)) for t, e in zip(ids[1:], plp[1:])]
 
     async def stream(self, handle):
         streams, generated = {}, {}

@@ -62,11 +62,11 @@ class SamplingFields(Body):
     return_token_ids: bool = False        # extension: token ids in each choice (benchmarks)
     user: str | None = None
     truncate_prompt_tokens: int | None = None     # vLLM's: keep the prompt's last k tokens
+    prompt_logprobs: int | None = None            # vLLM's: each prompt token's logprob and the top k
     # vLLM's fields that change the output and that asynct cannot apply: known, so that a value
     # other than vLLM's no-op is a 400 rather than an unknown field dropped
     use_beam_search: bool = False
     bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None
     logprob_token_ids: TokenIds | None = None
     structured_outputs: dict | None = None
     guided_json: str | dict | None = None
@@ -79,7 +79,7 @@ class SamplingFields(Body):
     repetition_detection: dict | None = None
     NOT_APPLIED: ClassVar[dict] = {  # field: its values that change nothing
         "use_beam_search": (False,), "bad_words": (None, []),
-        "prompt_logprobs": (None,), "logprob_token_ids": (None,), "structured_outputs": (None,),
+        "logprob_token_ids": (None,), "structured_outputs": (None,),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         "return_tokens_as_token_ids": (None, False), "priority": (0,), "thinking_token_budget": (None, -1),
         "repetition_detection": (None,)}
@@ -138,6 +138,16 @@ class SamplingFields(Body):
                                             f"got {bad!r:.40}")
         return {int(k): min(100.0, max(-100.0, b)) for k, b in self.logit_bias.items()}
 
+    def prompt_logprobs_k(self) -> int | None:
+        """The prompt_logprobs the response returns (None: no field), k <= 20 as logprobs. As
+        vLLM's, a stream carries none, so asking for any there is a 400."""
+        k = self.prompt_logprobs
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise Unsupported("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
+        if k and self.stream:
+            raise Unsupported("prompt_logprobs", "prompt_logprobs are not available with stream: true (as vLLM's)")
+        return None if self.stream else k
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -179,7 +189,10 @@ class CompletionRequest(SamplingFields):
         if self.max_tokens == 0 and not self.echo:
             raise Unsupported("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
-        plp = self.logprobs if self.echo and self.logprobs is not None else None
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = self.prompt_logprobs_k()
+        # the engine computes the larger; echo's rows and prompt_logprobs each show their own k
+        plp = echoed if asked is None else asked if echoed is None else max(echoed, asked)
         return self.sampling_params(self.requested_max_tokens, self.logprobs, plp, defaults)
 
 
@@ -251,7 +264,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.requested_max_tokens, k, defaults=defaults)
+        return self.sampling_params(self.requested_max_tokens, k, self.prompt_logprobs_k(), defaults)
 
     def echoed(self) -> str:
         """What echo puts in front of the answer: as vLLM, the last message's content where the

@@ -251,6 +251,20 @@ def finite(x: float) -> float:
     return x if x > -9999.0 else -9999.0
 
 
+def top_k(entry: dict, k: int) -> dict:
+    """A logprobs entry (token id -> Logprob: the token's own first, then the top ranks) cut to
+    the token's own and the top k, where the engine computed more for another field."""
+    return {t: lp for i, (t, lp) in enumerate(entry.items()) if i == 0 or lp.rank <= k}
+
+
+def prompt_logprobs_json(plp, k: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first: nothing scores it) or token
+    id (a string, as JSON keys are) -> its logprob, rank and text: the prompt's token and the top k."""
+    return plp and [None if e is None else {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in top_k(e, k).items()}
+            for e in plp]
+
+
 def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
