@@ -189,15 +189,11 @@ def test_seed_minus_one_is_unseeded(llm):
     assert texts(llm.generate(PROMPTS, params, use_tqdm=False)) != texts(llm.generate(PROMPTS, params, use_tqdm=False))
 
 
-def test_sampling_fields_asynct_cannot_apply_are_taken_at_no_op_only():
+def test_vllm_s_sampling_fields_are_taken():
     """vLLM's SamplingParams(bad_words=[], truncate_prompt_tokens=None) was a TypeError (unexpected
-    keyword argument); another value, which asynct would not apply, is a ValueError naming the
-    field (the server's 400 names it the same way)."""
+    keyword argument); both now apply (tests/test_vllm_fields.py)."""
     SamplingParams(bad_words=[], truncate_prompt_tokens=None)
-    for field, value in [("bad_words", ["x"])]:
-        with pytest.raises(ValueError, match=f"{field} is not supported") as e:
-            SamplingParams(**{field: value})
-        assert e.value.param == field
+    SamplingParams(bad_words=["x"], truncate_prompt_tokens=8)
 
 
 # ---- penalties, logit_bias, allowed_token_ids ------------------------------------------------

@@ -135,3 +135,117 @@ def test_bad_prompt_logprobs_are_400s(url, body):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     assert post(url, {"prompt": "hi", "max_tokens": 2, "stream": True, "prompt_logprobs": 0}).status_code == 200
 
+
+# ---- bad_words -------------------------------------------------------------------------------
+def reference_banned(output: list[int], words: list[list[int]]) -> set[int]:
+    """vLLM V1's per-row rule: the last token of each word whose other tokens end the output."""
+    return {w[-1] for w in words if len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:] == w[:-1]}
+
+
+def fake_seq(words, output, pending=None, row=0):
+    from types import SimpleNamespace
+    params = SimpleNamespace(bad_words=["w"] if words else None, bad_words_token_ids=words)
+    return SimpleNamespace(params=params, output_token_ids=output, num_pending_tokens=int(pending is not None),
+                           sample_row=row if pending is not None else -1)
+
+
+def test_bad_words_ban_what_a_per_row_reference_bans():
+    """Rows with and without a pending token (async scheduling: the newest output token is still
+    on the device, so the ban is decided there), one-token words, words two rows share a last
+    token with, outputs shorter than a word, and rows without bad_words."""
+    import torch
+
+    from asynct.engine.bad_words import ban_bad_words
+    words = [[5], [1, 2, 3], [7, 3], [9, 9, 4], [2, 4]]
+    rows = [(words, [], None), (words, [1, 2], None), (words, [2], 1), (words, [0, 1], 2), (words, [9], 9),
+            (words, [7], None), (None, [1, 2], None), (words, [9, 9], 1), ([[4, 6]], [], 4), (words, [1], 2)]
+    prev = torch.tensor([3, 2, 2, 8, 4, 6, 6, 6, 4, 9, 2])     # previous step's samples
+    seqs = [fake_seq(w, out, None if p is None else int(prev[p]), p if p is not None else -1)
+            for w, out, p in rows]
+    logits = torch.randn(len(rows), 12)
+    got = logits.clone()
+    ban_bad_words(got, seqs, prev)
+    for i, (w, out, p) in enumerate(rows):
+        full = out + ([] if p is None else [int(prev[p])])
+        banned = reference_banned(full, w or [])
+        want = logits[i].clone()
+        want[sorted(banned)] = float("-inf")
+        assert torch.equal(got[i], want), (i, banned)
+
+
+class FakeTokenizer:
+    """Tokens by word: a leading space makes another token, as BPE tokenizers' "Ġword"."""
+    VOCAB = {"bad": [1], " bad": [2], "two words": [3, 4], " two words": [5, 4], "odd": [6], " odd": [7, 8],
+             "same": [9], " same": [9]}
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens
+        return list(self.VOCAB[text])
+
+
+def test_bad_words_tokenise_as_vllm():
+    """As vLLM's update_from_tokenizer: the word less leading spaces, and with one leading space
+    where that is another sequence of the same length."""
+    from asynct.engine.bad_words import bad_words_token_ids
+    ids = bad_words_token_ids(FakeTokenizer(), ["bad", "  two words", "odd", "same"], 100)
+    assert ids == [[1], [2], [3, 4], [5, 4], [6], [9]]
+    with pytest.raises(ValueError, match="bad_words .* outside the vocabulary"):
+        bad_words_token_ids(FakeTokenizer(), ["two words"], 4)
+
+
+LETTERS = list(range(97, 123))      # the outputs are held to ASCII letters: bad words are text
+
+
+def check_steps(out, words: list[list[int]]):
+    """Each greedy token is the model's best that the letters and the words leave (raw logprobs)."""
+    tokens = out.outputs[0].token_ids
+    for j, (tok, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        banned = reference_banned(tokens[:j], words)
+        allowed = [(lp.logprob, t) for t, lp in entry.items() if t not in banned and t in LETTERS]
+        assert tok == max(allowed)[1], (j, tok, banned)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bad_words_in_greedy_generation(tiny_ckpt, async_scheduling):
+    """bad_words was refused at any value but None or []: now, as vLLM, no output ends with one;
+    with async scheduling too, where a row's newest token is still on the device when it samples."""
+    llm = LLM(tiny_ckpt, max_model_len=MAX_LEN, async_scheduling=async_scheduling)
+    prompts = ["Hello world", "The quick brown fox", [72, 105]]
+    free = llm.generate(prompts, greedy(max_tokens=16, allowed_token_ids=LETTERS), use_tqdm=False)
+    for prompt, out in zip(prompts, free):
+        text = bytes(out.outputs[0].token_ids).decode()
+        words = [text[0], text[3:5], " " + text[6:9]]
+        params = greedy(max_tokens=16, logprobs=250, bad_words=words, allowed_token_ids=LETTERS)
+        got = llm.generate([prompt, prompt], [params, greedy(max_tokens=16, allowed_token_ids=LETTERS)],
+                           use_tqdm=False)
+        assert params.bad_words_token_ids == [list(w.strip().encode()) for w in words]
+        check_steps(got[0], params.bad_words_token_ids)
+        assert got[0].outputs[0].token_ids != out.outputs[0].token_ids
+        assert got[1].outputs[0].token_ids == out.outputs[0].token_ids      # its batch neighbour: untouched
+
+
+def test_bad_words_need_a_tokenizer(tmp_path, llm):
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path / "notok", tokenizer=False)
+    notok = LLM(ckpt, max_model_len=MAX_LEN)
+    assert "bad_words need a tokenizer" in notok.generate([[5, 6]], greedy(bad_words=["a"]), use_tqdm=False)[0].error
+    with pytest.raises(ValueError, match="bad_words need a tokenizer") as e:
+        notok.llm_engine.add_request("x", [5, 6], greedy(bad_words=["a"]))
+    assert e.value.param == "bad_words"
+    for bad in ([""], "ab", [1]):
+        with pytest.raises(ValueError, match="bad_words") as e:
+            llm.llm_engine.add_request("bad", [5, 6], greedy(bad_words=bad))
+        assert e.value.param == "bad_words"
+
+
+def test_served_bad_words_equal_llm_generate(url, llm):
+    words = ["e", "lo"]
+    want = llm.generate(["Hello world"], greedy(max_tokens=8, bad_words=words), use_tqdm=False)[0].outputs[0].text
+    r = post(url, {"prompt": "Hello world", "max_tokens": 8, "bad_words": words}).json()
+    assert r["choices"][0]["text"] == want
+    ref = llm.generate([list(b"<user>hi<assistant>")], greedy(max_tokens=8, bad_words=words), use_tqdm=False)[0]
+    r = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "bad_words": words},
+              "/v1/chat/completions").json()
+    assert r["choices"][0]["message"]["content"] == ref.outputs[0].text
+    r = post(url, {"prompt": "hi", "max_tokens": 2, "bad_words": [""], "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text

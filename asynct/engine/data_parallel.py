@@ -17,7 +17,7 @@ from asynct.engine.core_client import start_engines
 from asynct.engine.core_proc import apply_delta, dead_snapshot
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs
-from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize, truncate_prompt
+from asynct.engine.inputs import check_bad_words, check_prompt, check_stop_strings, tokenize, truncate_prompt
 from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampling_params import SamplingParams
@@ -72,6 +72,7 @@ class DataParallelEngine:
         ids = truncate_prompt(ids, params, self.max_model_len)
         check_prompt(ids, params, self.vocab_size, self.max_model_len)
         check_stop_strings(self.detokenizer, params)
+        check_bad_words(self.detokenizer, params, self.vocab_size)
         self.requests[request_id] = _Request(RequestOutput(request_id, text, ids, None, [], False), params,
                                              self._work(ids, params))
         self.unassigned.append(request_id)

@@ -1,6 +1,7 @@
 """What a request brings, checked against the model before it is queued: the prompt as token
 ids, its length, and sampling values that must fit the vocabulary (also run by the server's
 front end and by data parallel's dispatcher, which hold no engine)."""
+from asynct.engine.bad_words import bad_words_token_ids
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -35,6 +36,20 @@ def check_stop_strings(detokenizer: Detokenizer | None, params: SamplingParams):
     if params.stop_list and detokenizer is None:
         raise SamplingParamsError("stop strings need a tokenizer and this checkpoint has none: use stop_token_ids",
                                   "stop")
+
+
+def check_bad_words(detokenizer: Detokenizer | None, params: SamplingParams, vocab_size: int):
+    """Tokenises bad_words into params (vLLM's update_from_tokenizer): they are text, so without
+    a tokenizer they could not be kept out, and would be ignored silently."""
+    if not params.bad_words:
+        return
+    if detokenizer is None:
+        raise SamplingParamsError("bad_words need a tokenizer and this checkpoint has none: use logit_bias "
+                                  "to ban token ids", "bad_words")
+    try:
+        params.bad_words_token_ids = bad_words_token_ids(detokenizer, params.bad_words, vocab_size)
+    except ValueError as e:
+        raise SamplingParamsError(str(e), "bad_words") from None
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):

@@ -10,7 +10,7 @@ from asynct.engine.block_manager import BlockManager
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
 from asynct.engine.generation_config import extra_eos_ids
-from asynct.engine.inputs import check_prompt, check_stop_strings, tokenize, truncate_prompt
+from asynct.engine.inputs import check_bad_words, check_prompt, check_stop_strings, tokenize, truncate_prompt
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.sampler import eos_ids
@@ -163,6 +163,7 @@ class LLMEngine:
         ids = truncate_prompt(ids, params, self.max_model_len)
         self.check_prompt(ids, params)
         check_stop_strings(self.detokenizer, params)
+        check_bad_words(self.detokenizer, params, self.vocab_size)
         req = Request(request_id, text, ids, params, stream=stream)
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, i, ids, params, self.args.block_size)

@@ -1,11 +1,13 @@
 """vLLM V1's logit adjustments, made on the raw logits before temperature and the filters, so
-that greedy rows take the argmax of what they leave: allowed_token_ids and logit_bias, then the
-repetition penalty (over prompt and output tokens), then the frequency and presence penalties
-(over output tokens, as OpenAI defines them). Rows without any are not touched."""
+that greedy rows take the argmax of what they leave: allowed_token_ids, bad_words
+(asynct.engine.bad_words) and logit_bias, then the repetition penalty (over prompt and output
+tokens), then the frequency and presence penalties (over output tokens, as OpenAI defines them).
+Rows without any are not touched."""
 import numpy as np
 import torch
 
 from asynct.attention.base import host_to_device, host_to_device_many
+from asynct.engine.bad_words import ban_bad_words
 
 
 def adjust_logits(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None = None) -> torch.Tensor:
@@ -25,6 +27,8 @@ def adjust_logits(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None 
 
 def _adjust(logits, seqs, prev_sampled):
     _allow(logits, seqs)
+    if any(s.params.bad_words for s in seqs):
+        ban_bad_words(logits, seqs, prev_sampled)
     _bias(logits, seqs)
     if any(_penalised(s.params) for s in seqs):
         logits = _penalise(logits, seqs, prev_sampled)

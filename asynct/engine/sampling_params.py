@@ -11,7 +11,6 @@ MIN_TEMPERATURE = 1e-2
 INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
 log = logging.getLogger("asynct")
-NOT_APPLIED = {"bad_words": (None, [])}   # field: its values that change nothing
 MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [-2, 2]
 
 
@@ -42,11 +41,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    # vLLM's fields that the sampler does not apply: taken at their no-op values (NOT_APPLIED) only
+    # as vLLM: no output may end with one of these words (asynct.engine.bad_words); needs a tokenizer
     bad_words: list[str] | None = None
     # as vLLM: keep the prompt's last k tokens (left truncation); -1: the last max_model_len
     truncate_prompt_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
+    # bad_words' token sequences, from the engine's tokenizer when a request is added (vLLM's
+    # SamplingParams.update_from_tokenizer)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         problems = [msg for bad, msg in self._type_checks() if bad]
@@ -96,6 +98,8 @@ class SamplingParams:
              f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r:.40}"),
             (not (self.allowed_token_ids is None or _list_of(self.allowed_token_ids, int)),
              f"allowed_token_ids must be a list of integers, got {self.allowed_token_ids!r:.40}"),
+            (not (self.bad_words is None or _list_of(self.bad_words, str)),
+             f"bad_words must be a list of strings, got {self.bad_words!r:.40}"),
         ]
 
     def _checks(self):
@@ -128,8 +132,6 @@ class SamplingParams:
             (any(not 0 <= t < INT64_END for t in self.logit_bias or ()), "logit_bias keys must be token ids"),
             (self.allowed_token_ids is not None and not self.allowed_token_ids, "allowed_token_ids must not be empty"),
             (any(not 0 <= t < INT64_END for t in self.allowed_token_ids or ()), "allowed_token_ids must be token ids"),
-            *[(getattr(self, name) not in noops, f"{name} is not supported (only {noops[0]!r})")
-              for name, noops in NOT_APPLIED.items()],
         ]
 
     def check_model(self, vocab_size: int):
@@ -154,9 +156,9 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether a penalty, a bias or allowed_token_ids changes the row's logits before sampling."""
+        """Whether a penalty, a bias, allowed_token_ids or bad_words change the row's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.allowed_token_ids)
+                    or self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def max_logprobs(self) -> int:

@@ -63,10 +63,10 @@ class SamplingFields(Body):
     user: str | None = None
     truncate_prompt_tokens: int | None = None     # vLLM's: keep the prompt's last k tokens
     prompt_logprobs: int | None = None            # vLLM's: each prompt token's logprob and the top k
+    bad_words: list[str] | None = None            # vLLM's: words no output may end with
     # vLLM's fields that change the output and that asynct cannot apply: known, so that a value
     # other than vLLM's no-op is a 400 rather than an unknown field dropped
     use_beam_search: bool = False
-    bad_words: list[str] | None = None
     logprob_token_ids: TokenIds | None = None
     structured_outputs: dict | None = None
     guided_json: str | dict | None = None
@@ -78,8 +78,7 @@ class SamplingFields(Body):
     thinking_token_budget: int | None = None
     repetition_detection: dict | None = None
     NOT_APPLIED: ClassVar[dict] = {  # field: its values that change nothing
-        "use_beam_search": (False,), "bad_words": (None, []),
-        "logprob_token_ids": (None,), "structured_outputs": (None,),
+        "use_beam_search": (False,), "logprob_token_ids": (None,), "structured_outputs": (None,),
         "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
         "return_tokens_as_token_ids": (None, False), "priority": (0,), "thinking_token_budget": (None, -1),
         "repetition_detection": (None,)}
@@ -124,7 +123,8 @@ class SamplingFields(Body):
                 presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
                 repetition_penalty=_or(self.repetition_penalty, d["repetition_penalty"]),
                 logit_bias=self._logit_bias(),
-                allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens)
+                allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                bad_words=self.bad_words)
         except SamplingParamsError as e:
             raise Unsupported(self.api_param(e.param), str(e)) from None
 

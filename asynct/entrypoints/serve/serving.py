@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from asynct.engine.detokenizer import Detokenizer
-from asynct.engine.inputs import check_stop_strings
+from asynct.engine.inputs import check_bad_words, check_stop_strings
 from asynct.engine.sampling_params import SamplingParams
 from asynct.entrypoints.serve.async_engine import AsyncEngine, EngineError, QueueFull, RequestHandle
 from asynct.entrypoints.serve.limits import ServerLimits
@@ -141,6 +141,7 @@ class ServingContext:
             self.engine.check_prompt(ids, params)
             # the engine process would refuse them too, but only after a stream's 200 had gone
             check_stop_strings(self.detok, params)
+            check_bad_words(self.detok, params, self.engine.vocab_size)
         except ValueError as e:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
         # the request's own max_tokens, as vLLM checks it (params hold the generation config's cap)
