@@ -16,8 +16,8 @@ from asynct.entrypoints.serve.async_engine import SHUTTING_DOWN, AsyncEngine
 from asynct.entrypoints.serve.chat import create_chat_completion, render_chat
 from asynct.entrypoints.serve.completions import create_completion
 from asynct.entrypoints.serve.metrics import ThroughputLogger, render_metrics, summary_line
-from asynct.entrypoints.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               TokenizeRequest)
+from asynct.entrypoints.serve.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from asynct.entrypoints.serve.protocol import CompletionRequest, DetokenizeRequest
 from asynct.entrypoints.serve.limits import ServerLimits
 from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
 

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError
-from asynct.entrypoints.serve.protocol import ChatCompletionRequest, ChatTemplateFields
+from asynct.entrypoints.serve.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
                                               collect, error_body, finite, prompt_logprobs_json, request_id, sse,
                                               usage)
