@@ -249,3 +249,25 @@ def test_served_bad_words_equal_llm_generate(url, llm):
     assert r["choices"][0]["message"]["content"] == ref.outputs[0].text
     r = post(url, {"prompt": "hi", "max_tokens": 2, "bad_words": [""], "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "bad_words", r.text
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bad_words_through_preemption(tiny_ckpt, async_scheduling):
+    """A preempted sequence's last sample row is that of a step long gone: the device compare
+    indexed the newest step's samples with it for every row with a word that can end (pending
+    token or not), an IndexError that failed the request where that step sampled fewer rows."""
+    words = ["a", "bc", " de", "xy z", "q"]
+    ps = lambda: [SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True,
+                                 allowed_token_ids=LETTERS, bad_words=words) for _ in range(2)]
+    got = {}
+    for name, kw in (("roomy", dict()), ("preempting", dict(num_kv_blocks=8))):
+        llm = LLM(tiny_ckpt, max_model_len=32, block_size=4, async_scheduling=async_scheduling, **kw)
+        outs = llm.generate(["Hello there", "The fox"], ps(), use_tqdm=False)
+        assert not any(o.error for o in outs), [o.error for o in outs]
+        got[name] = [[c.token_ids for c in o.outputs] for o in outs]
+        if name == "preempting":
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert got["preempting"] == got["roomy"]
+    for tokens in got["roomy"]:
+        for t in tokens:
+            assert len(t) == 12 and ord("a") not in t and ord("q") not in t

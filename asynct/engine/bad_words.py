@@ -38,7 +38,9 @@ def ban_bad_words(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None)
                 rows.append(i)
                 banned.append(ids[-1])
                 needed.append(need)
-                src.append(max(s.sample_row, 0))
+                # only a pending token's row is read: another row's sample_row may be that of
+                # a step long gone (preempted, or left out of a step), past the newest samples
+                src.append(s.sample_row if need >= 0 else 0)
     if rows:
         _apply(logits, rows, banned, needed, src, prev_sampled)
 
@@ -63,7 +65,7 @@ def _apply(logits, rows, banned, needed, src, prev_sampled):
     rows_d, banned_d, needed_d, src_d = host_to_device_many(
         [(rows, torch.int64), (banned, torch.int64), (needed, torch.int64), (src, torch.int64)], dev)
     hit = needed_d < 0
-    if prev_sampled is not None:
+    if prev_sampled is not None and max(needed) >= 0:
         hit |= prev_sampled[src_d] == needed_d
     # accumulated: two words may end in one token, only one of them here (an assignment of
     # repeated indices keeps either write)
