@@ -271,3 +271,32 @@ def test_bad_words_through_preemption(tiny_ckpt, async_scheduling):
     for tokens in got["roomy"]:
         for t in tokens:
             assert len(t) == 12 and ord("a") not in t and ord("q") not in t
+
+
+def test_bad_words_are_tokenised_once_per_request_off_the_event_loop(url, llm, monkeypatch):
+    """A long bad_words list takes the tokenizer seconds (20k words: ~1 s): it was tokenised on
+    the server's event loop, once per prompt of a completions request (every stream stalled
+    meanwhile), and again in the engine for each prompt and each LLM.generate prompt."""
+    import threading
+
+    import asynct.engine.inputs as inputs
+    calls = []
+    real = inputs.bad_words_token_ids
+
+    def counted(*args):
+        calls.append(threading.current_thread().name)
+        return real(*args)
+    monkeypatch.setattr(inputs, "bad_words_token_ids", counted)
+    r = post(url, {"prompt": ["Hello", "world", "again"], "max_tokens": 2, "bad_words": ["e", "lo"]})
+    assert r.status_code == 200, r.text
+    r = post(url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "bad_words": ["e"]},
+             "/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    assert len(calls) == 2 and all(name.startswith("asynct-render") for name in calls), calls
+    calls.clear()
+    params = greedy(max_tokens=2, bad_words=["e", "lo"])
+    outs = llm.generate(["Hello", "world", "again", [72, 105]], params, use_tqdm=False)
+    assert not any(o.error for o in outs) and len(calls) == 1
+    params.bad_words = ["x"]          # changed words are tokenised anew
+    llm.generate(["Hello"], params, use_tqdm=False)
+    assert len(calls) == 2 and params.bad_words_token_ids == [[ord("x")]]

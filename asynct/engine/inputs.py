@@ -46,10 +46,15 @@ def check_bad_words(detokenizer: Detokenizer | None, params: SamplingParams, voc
     if detokenizer is None:
         raise SamplingParamsError("bad_words need a tokenizer and this checkpoint has none: use logit_bias "
                                   "to ban token ids", "bad_words")
+    # the words and the tokenizer they were tokenised with (params may serve two models)
+    key = (getattr(detokenizer.tokenizer, "name_or_path", None), vocab_size, tuple(params.bad_words))
+    if params.bad_words_tokenised == key:      # another prompt of these params did
+        return
     try:
         params.bad_words_token_ids = bad_words_token_ids(detokenizer, params.bad_words, vocab_size)
     except ValueError as e:
         raise SamplingParamsError(str(e), "bad_words") from None
+    params.bad_words_tokenised = key
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):

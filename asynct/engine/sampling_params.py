@@ -47,8 +47,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     stop_list: list[str] = field(init=False, repr=False)
     # bad_words' token sequences, from the engine's tokenizer when a request is added (vLLM's
-    # SamplingParams.update_from_tokenizer)
+    # SamplingParams.update_from_tokenizer), and what they are of (the tokenizer, the words): the
+    # prompts that share these params, and the engine process they travel to, tokenise them once
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False, compare=False)
+    bad_words_tokenised: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         problems = [msg for bad, msg in self._type_checks() if bad]

@@ -64,6 +64,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)
+    await ctx.check_bad_words(params, body)
     ids = ctx.check_prompt(ids, params, body)
     chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)

@@ -23,6 +23,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     truncated = body.truncate_prompt_tokens is not None
     encoded = await ctx.off_loop(lambda: [ctx.encode(p, body.add_special_tokens, truncated=truncated) for p in prompts])
+    await ctx.check_bad_words(params, body)
     ids = [ctx.check_prompt(p, params, body) for p in encoded]
     # echo's text is the prompt as it ran: a truncated one decoded
     texts = [p if isinstance(p, str) and len(i) == len(e) else ctx.decode(i, False)

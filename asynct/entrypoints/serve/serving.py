@@ -141,12 +141,21 @@ class ServingContext:
             self.engine.check_prompt(ids, params)
             # the engine process would refuse them too, but only after a stream's 200 had gone
             check_stop_strings(self.detok, params)
-            check_bad_words(self.detok, params, self.engine.vocab_size)
         except ValueError as e:
             raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "prompt"))) from None
         # the request's own max_tokens, as vLLM checks it (params hold the generation config's cap)
         self._check_fits(len(ids), body.requested_max_tokens, body)
         return ids
+
+    async def check_bad_words(self, params: SamplingParams, body):
+        """Tokenises bad_words into params once for all the request's prompts, off the event loop
+        (a long list takes the tokenizer seconds), and before a stream's 200."""
+        if not params.bad_words:
+            return
+        try:
+            await self.off_loop(check_bad_words, self.detok, params, self.engine.vocab_size)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=body.api_param(getattr(e, "param", "bad_words"))) from None
 
     def truncate(self, ids: list[int], body) -> list[int]:
         """As vLLM's server: truncate_prompt_tokens keeps the prompt's last k tokens, where k is
