@@ -32,8 +32,11 @@ def ban_bad_words(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None)
     equals the prefix's last, so that the host never waits for the step in flight."""
     rows, banned, needed, src = [], [], [], []
     for i, s in enumerate(seqs):
+        out = None       # the row's output, copied once a step (not once a word)
         for ids in s.params.bad_words_token_ids or ():
-            need = _needs(s, ids)
+            if out is None and len(ids) > 1:
+                out = s.output_token_ids
+            need = _needs(s, out, ids)
             if need is not None:
                 rows.append(i)
                 banned.append(ids[-1])
@@ -45,13 +48,12 @@ def ban_bad_words(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None)
         _apply(logits, rows, banned, needed, src, prev_sampled)
 
 
-def _needs(seq, ids: list[int]) -> int | None:
+def _needs(seq, out: list[int] | None, ids: list[int]) -> int | None:
     """None: the word cannot end at this step; -1: it can; a token id: it can where the row's
-    pending token (on the device) is that id."""
+    pending token (on the device) is that id. `out`: the row's output tokens on the host."""
     prefix = ids[:-1]
     if not prefix:
         return -1
-    out = seq.output_token_ids
     if not seq.num_pending_tokens:
         return -1 if len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix else None
     known = prefix[:-1]      # the pending token must be the prefix's last
