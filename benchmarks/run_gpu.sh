@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests runtime issue13 issue13-rest fp8 vllm parity sweep decode-sweep small-batch bench engine profile
+#   stages: smoke gputests sampling runtime issue13 issue13-rest fp8 vllm parity sweep decode-sweep small-batch bench engine profile
 #           profile-gsm8k
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -25,6 +25,10 @@ for s in $stages; do
              tests/test_async_scheduling.py tests/test_ops_attention.py tests/test_ops_elementwise.py \
              tests/test_fp8_kv.py tests/test_ops_fused_linear.py -q -p no:cacheprovider \
              2>&1 | tail -15 | tee $OUT/gputests.log ;;
+    sampling) # the sampler's GPU paths (penalties, bad words, generation config): every LLM here
+             # captures graphs, so these take minutes on a GPU; a call of their own
+             timeout 540 python3 -m pytest tests/test_sampler.py tests/test_vllm_fields.py tests/test_generation_config.py \
+             tests/test_llm_options.py -x -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/sampling.log ;;
     issue13) # issue 13's decode targets in one call (~6 min on a fresh machine): decode steps
              # against the roofline, decode attention chains, dense decode and prefill against SDPA;
              # `issue13-rest` (prefill plan sweep, bf16 parity) fits a second call
