@@ -137,3 +137,24 @@ def test_one_copy_keeps_every_part_16_byte_aligned():
     for (data, dtype), t in zip(parts, out):
         assert t.dtype == dtype and t.tolist() == np.asarray(data).tolist()
         assert t.storage_offset() * t.element_size() % 16 == 0
+
+
+def test_a_reused_request_id_gets_no_output_of_the_step_left_in_flight(tiny_ckpt):
+    """A sequence that stops (here at a stop token) leaves one step in flight; a request added
+    under the same id before it was finished was handed that step's token: a streamed output
+    holding no token yet, as if it had progressed."""
+    engine = LLM(tiny_ckpt, num_kv_blocks=50).llm_engine
+    first, second = [1, 2, 3, 4], [9, 8, 7, 6, 5]
+    own = LLM(tiny_ckpt, num_kv_blocks=50).generate(
+        {"prompt_token_ids": first}, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    engine.add_request("r", first, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                                                  stop_token_ids=[own[1]]), stream=True)
+    while not any(o.finished for o in engine.step()):
+        pass
+    assert engine.in_flight is not None
+    engine.add_request("r", second, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), stream=True)
+    streamed = []
+    while engine.has_unfinished_requests():
+        streamed += [list(o.outputs[0].token_ids) for o in engine.step()]
+    assert [len(s) for s in streamed] == [1, 2, 3]
