@@ -30,13 +30,9 @@ def _adjust(logits, seqs, prev_sampled):
     if any(s.params.bad_words for s in seqs):
         ban_bad_words(logits, seqs, prev_sampled)
     _bias(logits, seqs)
-    if any(_penalised(s.params) for s in seqs):
+    if any(s.params.penalised for s in seqs):
         logits = _penalise(logits, seqs, prev_sampled)
     return logits
-
-
-def _penalised(p) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1)
 
 
 def _allow(logits, seqs):
@@ -131,14 +127,14 @@ def _prompt_ids(seq, dev) -> torch.Tensor:
 def _output_index(seqs, vocab, dev):
     """Flat indices of the output tokens the host has."""
     parts = [np.asarray(s.output_token_ids, dtype=np.int64) + i * vocab
-             for i, s in enumerate(seqs) if _penalised(s.params)]
+             for i, s in enumerate(seqs) if s.params.penalised]
     return host_to_device(np.concatenate(parts or [np.zeros(0, np.int64)]), torch.long, dev)
 
 
 def _pending_index(seqs, vocab, prev_sampled, dev):
     """A sequence's newest output token may be on the device only (sampled by the step before,
     async scheduling): it is read from `prev_sampled` there, without waiting for the host copy."""
-    pending = [(i, s.sample_row) for i, s in enumerate(seqs) if s.num_pending_tokens and _penalised(s.params)]
+    pending = [(i, s.sample_row) for i, s in enumerate(seqs) if s.num_pending_tokens and s.params.penalised]
     if not pending:
         return torch.zeros(0, dtype=torch.long, device=dev)
     dst, src = zip(*pending)

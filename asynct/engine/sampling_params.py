@@ -157,10 +157,13 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+    @property
     def adjusts_logits(self) -> bool:
         """Whether a penalty, a bias, allowed_token_ids or bad_words change the row's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.allowed_token_ids or self.bad_words)
+        return bool(self.penalised or self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
     def max_logprobs(self) -> int:
