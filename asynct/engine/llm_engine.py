@@ -91,7 +91,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.config, args.model, self.device, self.dtype, args.attention_backend,
                                   args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                                   self.max_model_len, args.cudagraph_mode, args.kv_cache_dtype,
-                                  args.lazy_decode_graphs)
+                                  args.lazy_decode_graphs, [*self.eos_token_ids, *self.generation_eos_ids])
         t1 = time.perf_counter()
         num_blocks = self._num_kv_blocks()
         if num_blocks * args.block_size < self.max_model_len:
@@ -99,7 +99,6 @@ class LLMEngine:
                         self.max_model_len)
             self.max_model_len = num_blocks * args.block_size
         self.runner.max_model_len = self.max_model_len
-        self.runner.eos_token_ids = [*self.eos_token_ids, *self.generation_eos_ids]   # min_tokens holds them back
         t2 = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
         # where start-up goes: weights, the memory-profiling prefill (first kernel compiles), graphs

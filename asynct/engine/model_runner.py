@@ -16,7 +16,7 @@ from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
-from asynct.engine.sampler import eos_ids, sample
+from asynct.engine.sampler import sample
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import LaunchedStep, StepOutput, entries, logprob_tensors, to_host
 from asynct.model.engine_model import AsyncTEngineModel
@@ -42,14 +42,14 @@ def warmup_token_counts() -> tuple[list[int], list[int]]:
 class ModelRunner:
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
                  max_num_seqs, max_num_batched_tokens, max_model_len, cudagraph_mode="none",
-                 kv_cache_dtype="auto", lazy_decode_graphs=False):
+                 kv_cache_dtype="auto", lazy_decode_graphs=False, eos_token_ids=()):
         self.config, self.device, self.dtype = config, torch.device(device), dtype
         self.kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype)
         if is_fp8(self.kv_dtype) and self.device.type == "cuda" and dtype == torch.float32:
             # Triton 3.6 fails to compile the FP8 prefill for fp32 queries (a layout pass)
             raise ValueError("kv_cache_dtype='fp8' on CUDA needs a 16-bit model dtype: "
                              "pass dtype='bfloat16' or 'float16'")
-        self.eos_token_ids = eos_ids(config.eos_token_id)
+        self.eos_token_ids = list(eos_token_ids)    # config's and the generation config's: min_tokens holds them back
         self.block_size = block_size
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.backend = resolve_backend(attention_backend, self.device)()
