@@ -86,7 +86,7 @@ def cmd_serve(a):
 
     from asynct.entrypoints.cli import engine_kwargs
     from asynct.entrypoints.serve.api_server import Server, make_app
-    from asynct.entrypoints.serve.launch import connection_options
+    from asynct.entrypoints.serve.launch import connection_options, listen_socket
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
@@ -105,18 +105,3 @@ def cmd_serve(a):
         with contextlib.suppress(KeyboardInterrupt):    # uvicorn re-raises the Ctrl-C it shut down on
             server.run(sockets=[sock])
     return 0 if server.started else 3      # uvicorn's exit status for a failed start-up
-
-
-def listen_socket(host: str, port: int):
-    """The server's socket, bound before the model loads: a port in use failed only once the
-    model had loaded (minutes on a GPU; or, beside the server holding the port and the GPU, with
-    'no room for a KV cache')."""
-    import socket
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    return sock

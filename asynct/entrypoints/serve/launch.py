@@ -20,6 +20,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def listen_socket(host: str, port: int):
+    """A server's listening socket (IPv6 for an IPv6 address). `asynct serve` binds it before the
+    model loads: a port in use failed only once the model had loaded (minutes on a GPU; or, beside
+    the server holding the port and the GPU, with 'no room for a KV cache')."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1 in a daemon thread; `with ServerThread(app) as url:`."""
 
@@ -27,9 +41,7 @@ class ServerThread:
         import uvicorn
 
         from asynct.entrypoints.serve.api_server import Server
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+        self.sock = listen_socket(host, 0)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2, backlog=4096,
                                 **connection_options(app))
