@@ -14,6 +14,8 @@ MAX_TEMPERATURE = 2.0      # OpenAI's cap
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 TokenIds = list[StrictInt]
+# the request's sampling fields that may be null
+NULLABLE = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 class Body(BaseModel):
@@ -92,9 +94,8 @@ class SamplingFields(Body):
                         prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
         """Raises ValueError (a 400) for values the engine rejects or cannot honour. `defaults`:
         the generation config's values for the fields left unset (null), as vLLM's server."""
-        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
-             **(defaults or {})}
-        cap = d.get("max_tokens")
+        defaults = defaults or {}
+        cap = defaults.get("max_tokens")
         if cap is not None and (max_tokens is None or max_tokens > cap):
             # as vLLM: the generation config's max_new_tokens caps every request
             max_tokens = cap
@@ -111,16 +112,15 @@ class SamplingFields(Body):
             if k is not None and k > MAX_LOGPROBS:
                 name = self.api_param(field)
                 raise Unsupported(name, f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+        # a field sent as null (or not at all) takes the generation config's value, else SamplingParams' default
+        unset = {k: v for k, v in defaults.items() if k in NULLABLE}
+        given = {k: getattr(self, k) for k in NULLABLE if getattr(self, k) is not None}
         try:
             return SamplingParams(
-                n=self.n, temperature=_or(self.temperature, d["temperature"]), top_p=_or(self.top_p, d["top_p"]),
-                top_k=_or(self.top_k, d["top_k"]), min_p=_or(self.min_p, d["min_p"]), seed=self.seed,
-                max_tokens=max_tokens,
+                **{**unset, **given}, n=self.n, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=self.ignore_eos, include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-                presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, d["repetition_penalty"]),
                 logit_bias=self._logit_bias(),
                 allowed_token_ids=self.allowed_token_ids, truncate_prompt_tokens=self.truncate_prompt_tokens,
                 bad_words=self.bad_words)
