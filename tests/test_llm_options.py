@@ -10,9 +10,14 @@ SAMPLE = SamplingParams(temperature=1.0, max_tokens=12)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 
 
+# on a GPU each engine would take 90 % of the free memory, and the module's engine lives on while
+# the tests make their own: every engine here sizes its KV cache by hand
+SMALL = dict(num_kv_blocks=64)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
-    return LLM(tiny_ckpt, trust_remote_code=True, tensor_parallel_size=1)
+    return LLM(tiny_ckpt, trust_remote_code=True, tensor_parallel_size=1, **SMALL)
 
 
 def texts(outs):
@@ -20,13 +25,13 @@ def texts(outs):
 
 
 def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_ckpt, llm):
-    a = texts(LLM(tiny_ckpt, seed=0).generate(PROMPTS, SAMPLE, use_tqdm=False))
-    b = texts(LLM(tiny_ckpt, seed=0).generate(PROMPTS, SAMPLE, use_tqdm=False))
-    c = texts(LLM(tiny_ckpt, seed=1).generate(PROMPTS, SAMPLE, use_tqdm=False))
+    a = texts(LLM(tiny_ckpt, seed=0, **SMALL).generate(PROMPTS, SAMPLE, use_tqdm=False))
+    b = texts(LLM(tiny_ckpt, seed=0, **SMALL).generate(PROMPTS, SAMPLE, use_tqdm=False))
+    c = texts(LLM(tiny_ckpt, seed=1, **SMALL).generate(PROMPTS, SAMPLE, use_tqdm=False))
     assert a == b and a != c
     # a request's own seed wins over the engine's
     own = SamplingParams(temperature=1.0, max_tokens=12, seed=5)
-    assert texts(LLM(tiny_ckpt, seed=3).generate(PROMPTS, own, use_tqdm=False)) == \
+    assert texts(LLM(tiny_ckpt, seed=3, **SMALL).generate(PROMPTS, own, use_tqdm=False)) == \
         texts(llm.generate(PROMPTS, own, use_tqdm=False))
 
 
@@ -77,7 +82,7 @@ def test_a_tokenizer_path_without_a_tokenizer_is_a_clear_error(tiny_ckpt, tmp_pa
     failed, outputs had no text) and said nothing."""
     with pytest.raises(ValueError, match="tokenizer=.*has no tokenizer files"):
         LLM(tiny_ckpt, tokenizer=str(tmp_path / "nope"))
-    assert LLM(tiny_ckpt, tokenizer=str(tiny_ckpt)).get_tokenizer() is not None
+    assert LLM(tiny_ckpt, tokenizer=str(tiny_ckpt), **SMALL).get_tokenizer() is not None
 
 
 def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
@@ -85,7 +90,7 @@ def test_admission_batch_beyond_max_num_seqs_is_a_clear_error(tiny_ckpt):
     max_num_seqs, generate waited forever."""
     with pytest.raises(ValueError, match="admission_batch=8 exceeds max_num_seqs=4"):
         LLM(tiny_ckpt, max_num_seqs=4, admission_batch=8)
-    llm = LLM(tiny_ckpt, max_num_seqs=4, admission_batch=4)
+    llm = LLM(tiny_ckpt, max_num_seqs=4, admission_batch=4, **SMALL)
     outs = llm.generate([[1, 2, i] for i in range(10)], SamplingParams(max_tokens=2), use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) >= 1 for o in outs)
 

@@ -15,13 +15,13 @@ LONG = list(range(65, 65 + 26)) * 4          # 104 token ids: past max_model_len
 
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
-    return LLM(tiny_ckpt, max_model_len=MAX_LEN)
+    return LLM(tiny_ckpt, max_model_len=MAX_LEN, num_kv_blocks=128)   # two engines share one GPU
 
 
 @pytest.fixture(scope="module")
 def url(tiny_ckpt):
     app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None,
-                   max_model_len=MAX_LEN)
+                   max_model_len=MAX_LEN, num_kv_blocks=128)
     with ServerThread(app) as u:
         yield u
 
