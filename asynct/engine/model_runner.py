@@ -192,8 +192,13 @@ class ModelRunner:
             reset_context()
 
     def _inputs(self, ids, pos, pending):
-        """(input ids, positions) on the device in one copy, the pending tokens filled in there."""
+        """(input ids, positions) on the device in one copy, the pending tokens filled in there.
+        A decode step whose every row is the same row of the step before takes the samples
+        themselves: no upload of ids, no gather (two kernels, 5.5 us of a batch-1 step, H200;
+        the step's time moved within noise)."""
         dst, src = zip(*pending) if pending else ((), ())
+        if dst == src == tuple(range(len(ids))):
+            return self.last_sampled[:len(ids)], host_to_device(pos, torch.int64, self.device)
         input_ids, positions, dst, src = host_to_device_many(
             [(ids, torch.int64), (pos, torch.int64), (dst, torch.int64), (src, torch.int64)], self.device)
         if pending:
