@@ -83,6 +83,12 @@ def graph_timeline(eng, steps=20):
     print(f"{'kernel':60s} {'a step':>6s} {'dur us':>7s} {'advance us':>10s} {'a step us':>9s}")
     for name, (n, dur, adv) in sorted(rows.items(), key=lambda kv: -kv[1][2]):
         print(f"{name:60s} {n / len(runs):6.0f} {dur / n:7.2f} {adv / n:10.2f} {adv / len(runs):9.1f}")
+    step = runs[len(runs) // 2]
+    print("one step's kernels outside the layers, in order (advance us):")
+    for i, (a, b) in enumerate(zip(step, step[1:] + [None])):
+        if rows[a.name[:60]][0] < len(runs) * 8:      # fewer than 8 a step: not a layer's
+            adv = (b.time_range.start if b else a.time_range.end) - a.time_range.start
+            print(f"  {i:4d} {a.name[:70]:70s} {adv:7.2f}")
 
 
 def main():
