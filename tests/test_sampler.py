@@ -194,3 +194,50 @@ def test_a_sequences_bias_and_allowed_tokens_go_to_the_device_once():
             s.append_token(5)
         rows = [(p, o + [5], kw) for p, o, kw in rows]
     assert CountingDict.reads <= 2 and CountingList.reads <= 2
+
+
+def test_penalty_counts_kept_between_steps_equal_the_reference():
+    """The engine keeps each penalised sequence's counts on the device between steps and adds
+    only the tokens received since (plus, for one step, the one pending there). Over steps of
+    growing outputs, pending tokens, finished sequences whose rows new ones reuse (zeroed, their
+    prompt marks replaced) and more sequences than the first rows hold, every step equals the
+    per-row reference."""
+    from asynct.engine.penalties import adjust_logits
+    from asynct.engine.penalty_counts import PenaltyCounts
+    from asynct.engine.sequence import SequenceStatus
+    counts, g = PenaltyCounts(), torch.Generator().manual_seed(0)
+    live = make_seqs(ROWS)
+    for step in range(6):
+        if step in (2, 4):          # two sequences end; new ones (other prompts) take their rows
+            for s in live[1:3]:
+                s.status = SequenceStatus.FINISHED
+            live = [live[0]] + live[3:] + make_seqs([([90 + step, 91], [92], dict(temperature=0, repetition_penalty=1.5)),
+                                                     ([94], [], dict(temperature=0, frequency_penalty=1.0))])
+        rows = [(s.token_ids[:s.num_prompt_tokens], s.output_token_ids, vars(s.params)) for s in live]
+        pending = {i: int(torch.randint(VOCAB, (1,), generator=g)) for i in range(0, len(live), 3)}
+        prev = torch.randint(VOCAB, (len(live),), generator=g)
+        for i, tok in pending.items():
+            live[i].num_pending_tokens, live[i].sample_row, prev[i] = 1, i, tok
+        want = torch.stack([reference_adjust(x, p, o + ([pending[i]] if i in pending else []), live[i].params)
+                            for i, (x, (p, o, _)) in enumerate(zip(awkward_logits(rows, step), rows))])
+        assert torch.equal(adjust_logits(awkward_logits(rows, step), live, prev, counts), want), step
+        for i, s in enumerate(live):      # the step's tokens reach the host
+            s.num_pending_tokens = 0
+            s.append_token(pending.get(i, (7 * step + i) % VOCAB))
+    assert len(counts.owner) > 8          # grown past its first rows
+
+
+def test_a_penalised_step_sends_only_the_tokens_since_the_step_before(monkeypatch):
+    """One upload a step, and its token list holds the new output tokens only: the counts of
+    the tokens before are on the device already."""
+    import asynct.engine.penalties as penalties
+    from asynct.engine.penalty_counts import PenaltyCounts
+    sent, real = [], penalties.host_to_device_many
+    monkeypatch.setattr(penalties, "host_to_device_many", lambda parts, dev: sent.append(parts) or real(parts, dev))
+    counts, seqs = PenaltyCounts(), make_seqs([ROWS[1], ROWS[4], ROWS[2]])
+    for step in range(3):
+        penalties.adjust_logits(awkward_logits(ROWS[:3], step), seqs, None, counts)
+        for s in seqs:
+            s.append_token(5)
+    assert len(sent) == 3
+    assert [len(parts[1][0]) for parts in sent] == [4 + 4 + 3, 3, 3]

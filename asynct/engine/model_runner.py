@@ -15,6 +15,7 @@ from asynct.attention import StepInputs, resolve_backend
 from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.context import reset_context, set_context
 from asynct.engine.cuda_graph import CudaGraphRunner
+from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampler import sample
 from asynct.engine.scheduler import ScheduledBatch
@@ -73,6 +74,7 @@ class ModelRunner:
             self._compile_ahead()
         self.max_num_seqs = max_num_seqs
         self.last_sampled = None     # the previous step's sampled tokens, on the device
+        self.penalty_counts = PenaltyCounts()
         self.timed = False           # record device time per step (benchmarks)
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -257,7 +259,8 @@ class ModelRunner:
         if samplers:
             seqs = [batch.seqs[i] for i in samplers]
             # before last_sampled is replaced: it holds the pending tokens the penalties count
-            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_ids, self.last_sampled)
+            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_ids, self.last_sampled,
+                             self.penalty_counts)
             self.last_sampled = sampled
             host["tokens"] = to_host(sampled)
             host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)

@@ -67,12 +67,14 @@ def suppress_stops(logits, seqs, eos_token_ids=()):
     return logits
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sampled=None) -> torch.Tensor:
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sampled=None,
+           penalty_counts=None) -> torch.Tensor:
     """logits [R, V] of the rows that sample -> token ids [R] (on the logits' device). Greedy
     rows take the argmax of the model-dtype logits (fp32 where a row has penalties, a bias or
     allowed tokens); sampling runs in fp32. `prev_sampled`: the step before's samples, which
-    hold the output tokens still pending on the device (async scheduling), for the penalties."""
-    logits = adjust_logits(suppress_stops(logits, seqs, eos_token_ids), seqs, prev_sampled)
+    hold the output tokens still pending on the device (async scheduling), for the penalties;
+    `penalty_counts`, the engine's penalty_counts.PenaltyCounts."""
+    logits = adjust_logits(suppress_stops(logits, seqs, eos_token_ids), seqs, prev_sampled, penalty_counts)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         return logits.argmax(-1)

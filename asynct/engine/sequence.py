@@ -39,8 +39,8 @@ class Sequence:
         self.text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
         self.generator = None             # torch.Generator for seeded sampling, made on first use
-        self.prompt_ids_device = None     # the repetition penalty's distinct prompt ids, made on first use
-        self.bias_device = self.allowed_ids_device = None   # logit_bias, allowed_token_ids: the same
+        # logit_bias and allowed_token_ids on the device, sent on first use
+        self.bias_device = self.allowed_ids_device = None
 
     def __len__(self):
         return len(self.token_ids)
