@@ -1,8 +1,9 @@
-"""The engine loop: requests in, one scheduled mixed batch per step, outputs out."""
+"""The engine loop: requests in, one scheduled mixed batch per step, outputs out. What a finished
+step's tokens do is step_finish.py's; how one request fails alone, request_failure.py's."""
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -12,17 +13,16 @@ from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
 from asynct.engine.generation_config import extra_eos_ids
 from asynct.engine.inputs import check_bad_words, check_prompt, check_stop_strings, tokenize, truncate_prompt
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
-from asynct.engine.outputs import CompletionOutput, RequestOutput
+from asynct.engine.outputs import RequestOutput
+from asynct.engine.request_failure import RequestFailureMixin
 from asynct.engine.sampler import eos_ids
 from asynct.engine.sampling_params import SamplingParams
-from asynct.engine.scheduler import ScheduledBatch, Scheduler
-from asynct.engine.sequence import Sequence
+from asynct.engine.scheduler import Scheduler
+from asynct.engine.sequence import Request, Sequence
+from asynct.engine.step_finish import StepFinishMixin
 from asynct.model.checkpoint import prepare_config_for_load
 
 log = logging.getLogger("asynct")
-# marks the log record of one request's failure (its request id), which its RequestOutput.error
-# also says: a caller that reports failed requests itself filters these out
-FAILED_REQUEST = "failed_request"
 
 
 def startup_text(seconds: dict) -> str:
@@ -51,25 +51,7 @@ class StepRecord:
     gpu_s: float | None  # device time of its forward and sampling (timed runs only)
 
 
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
-    stream: bool = False
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-    @property
-    def incremental(self) -> bool:
-        return self.stream or bool(self.params.stop_list)
-
-
-class LLMEngine:
+class LLMEngine(StepFinishMixin, RequestFailureMixin):
     def __init__(self, args: EngineArgs):
         self.args = args
         if args.seed is not None:
@@ -221,75 +203,6 @@ class LLMEngine:
             seq.num_pending_tokens += 1
             seq.sample_row = row
 
-    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
-        batch = launched.batch
-        out = self.runner.finish(launched)
-        self._count(batch)
-        touched, failed = {}, {}
-        for seq, token, lp, plp in zip(batch.seqs, out.tokens, out.logprobs, out.prompt_logprobs):
-            try:
-                self._finish_seq(seq, token, lp, plp)
-            except Exception as e:
-                failed[seq.request_id] = self._failure(seq, e)
-                continue
-            req = self.requests.get(seq.request_id)
-            # `seq` may be of an ended request whose id a new request took while this step ran
-            if req is not None and seq.index < len(req.seqs) and req.seqs[seq.index] is seq \
-                    and (req.stream or req.finished):
-                touched[seq.request_id] = req
-        outputs = [self._output(req) for rid, req in touched.items() if rid not in failed]
-        return outputs + [self._fail_request(self.requests[rid], msg) for rid, msg in failed.items()
-                          if rid in self.requests]
-
-    def _finish_seq(self, seq: Sequence, token, lp, plp):
-        if seq.prompt_logprobs is not None:
-            seq.prompt_logprobs.extend(plp)
-        if token is not None:
-            seq.num_pending_tokens -= 1
-            if seq.is_finished:     # ended (stop, abort, error) while this step was in flight
-                return
-            self._append(seq, token, lp)
-        if not seq.is_finished:
-            self.block_manager.commit_full_blocks(seq)
-
-    # ---- one request's failure stays its own ------------------------------------------------------
-    def _step_one_by_one(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """The batch raised while launching: finish the step in flight (its tokens become host
-        tokens), then run each sequence alone, so that only the requests that raise alone fail."""
-        outputs = {}
-        if self.in_flight is not None:
-            outputs.update((o.request_id, o) for o in self._finish(self.in_flight))
-            self.in_flight = None
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.is_finished:
-                continue
-            try:
-                launched = self.runner.launch(ScheduledBatch.of([(seq, n)]))
-            except Exception as e:
-                req = self.requests.get(seq.request_id)
-                if req is not None:
-                    outputs[req.request_id] = self._fail_request(req, self._failure(seq, e))
-                continue
-            self._advance(launched)
-            outputs.update((o.request_id, o) for o in self._finish(launched))
-        return list(outputs.values())
-
-    @staticmethod
-    def _failure(seq: Sequence, e: Exception) -> str:
-        log.error("request %s failed: %s: %s", seq.request_id, type(e).__name__, e,
-                  extra={FAILED_REQUEST: seq.request_id})
-        return f"engine error in this request: {type(e).__name__}: {e}"
-
-    def _fail_request(self, req: Request, message: str) -> RequestOutput:
-        """Finishes every sequence of `req` with finish_reason "error" and frees its blocks."""
-        for seq in req.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "error")
-        self.requests.pop(req.request_id, None)
-        # no text: the detokenizer may be what failed
-        outs = [CompletionOutput(s.index, "", s.output_token_ids, None, None, "error", message) for s in req.seqs]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, None, outs, True, error=message)
-
     def _count(self, batch):
         self.stats["steps"] += 1
         self.stats["prompt_tokens"] += batch.num_prompt_tokens
@@ -306,61 +219,3 @@ class LLMEngine:
         gpu = launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else None
         self.step_log.append(StepRecord(launched.kind, len(b.seqs), b.total_tokens, launched.kv_tokens,
                                         end - start, launched.host_s, gpu))
-
-    def _append(self, seq: Sequence, token: int, logprob):
-        seq.append_token(token)
-        self.stats["generation_tokens"] += 1
-        if logprob is not None:
-            seq.logprobs.append(self.detokenizer.annotate(logprob) if self.detokenizer else logprob)
-            seq.cumulative_logprob += logprob[token].logprob
-        reason = self._stop_reason(seq, token)
-        if reason is not None:
-            self.scheduler.finish(seq, reason)
-            if self.detokenizer and not isinstance(seq.stop_reason, str):
-                # incremental text holds back an unfinished character; the whole text has it
-                seq.text = self._final_text(seq)
-
-    def _stop_reason(self, seq: Sequence, token: int):
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
-            if token in self.eos_token_ids and not p.ignore_eos:
-                return "stop"
-            if token in p.stop_token_ids or (token in self.generation_eos_ids and not p.ignore_eos):
-                seq.stop_reason = token
-                return "stop"
-        if self.detokenizer and self.requests[seq.request_id].incremental:
-            if self.detokenizer.step(seq):
-                return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-            return "length"
-        return "length" if len(seq) >= self.max_model_len else None
-
-    def _output(self, req: Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, self._text(s, req), s.output_token_ids,
-                                 s.cumulative_logprob if s.logprobs is not None else None,
-                                 s.logprobs, s.finish_reason, s.stop_reason) for s in req.seqs]
-        if req.finished:
-            self.requests.pop(req.request_id, None)
-        s0 = req.seqs[0]
-        plp = s0.prompt_logprobs
-        if plp is not None and self.detokenizer:
-            plp = [e if e is None else self.detokenizer.annotate(e) for e in plp]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, req.finished,
-                             num_cached_tokens=s0.num_cached_tokens)
-
-    def _text(self, seq: Sequence, req: Request) -> str:
-        """Text is kept current each step only where stop strings or streaming need it."""
-        if self.detokenizer is None:
-            return ""
-        if req.incremental:
-            return seq.text
-        return self._final_text(seq) if seq.is_finished else ""
-
-    def _final_text(self, seq: Sequence) -> str:
-        """The whole output decoded, where no stop string cut it. As vLLM, the stop token that
-        ended it (EOS or one of stop_token_ids) is left out unless include_stop_str_in_output:
-        it stays in token_ids only."""
-        end = len(seq)
-        if seq.finish_reason == "stop" and not seq.params.include_stop_str_in_output:
-            end -= 1
-        return self.detokenizer.decode_output(seq, end)

@@ -1,4 +1,6 @@
-"""A sequence: one completion of one request, with its tokens, cache blocks and outputs."""
+"""A sequence: one completion of one request, with its tokens, cache blocks and outputs; and
+the request: its n sequences."""
+from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from asynct.engine.sampling_params import SamplingParams
@@ -91,3 +93,21 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table, self.block_hashes = [], []
         self.num_computed_tokens = self.num_cached_tokens = 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    stream: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    @property
+    def incremental(self) -> bool:
+        return self.stream or bool(self.params.stop_list)

@@ -105,7 +105,7 @@ def cmd_generate(a):
 def _quiet_request_failures():
     """The engine logs a failed request under its request id, and the command then said the
     same again: here only the command's line, which names the prompt, says it."""
-    from asynct.engine.llm_engine import FAILED_REQUEST
+    from asynct.engine.request_failure import FAILED_REQUEST
     logger = logging.getLogger("asynct")
 
     def quiet(record: logging.LogRecord) -> bool:

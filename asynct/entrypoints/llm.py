@@ -8,8 +8,9 @@ from tqdm.auto import tqdm
 
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.generation_config import request_defaults
-from asynct.engine.llm_engine import FAILED_REQUEST, LLMEngine
+from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
+from asynct.engine.request_failure import FAILED_REQUEST
 from asynct.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("asynct")
