@@ -16,9 +16,9 @@ import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.engine.core_client import CoreClient, gpus_for
-from asynct.engine.data_parallel import PrefixHomes, assign, pick_engine, prefix_keys
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.llm_engine import LLMEngine
+from asynct.engine.prefix_routing import PrefixHomes, assign, pick_engine, prefix_keys
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 from test_server_load import MAX_TOKENS, run_load, wait_idle

@@ -12,11 +12,11 @@ from collections import deque
 
 from asynct.engine.core_client import CoreClient, start_engines
 from asynct.engine.core_proc import apply_delta, dead_snapshot
-from asynct.engine.data_parallel import PrefixHomes, pick_engine, prefix_keys
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.inputs import check_prompt
 from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import RequestOutput
+from asynct.engine.prefix_routing import PrefixHomes, pick_engine, prefix_keys
 from asynct.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("asynct.serve")
