@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.chat_protocol import ChatCompletionRequest, ChatTemplateFields
-from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
-                                              collect, error_body, finite, prompt_logprobs_json, request_id, sse,
-                                              usage)
+from asynct.entrypoints.serve.responses import (SSE_DONE, EventStream, TextStream, collect, finite,
+                                                prompt_logprobs_json, request_id, sse, usage)
+from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
 
 
 def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_tokens: bool) -> list[int]:

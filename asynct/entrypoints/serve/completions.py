@@ -8,9 +8,9 @@ from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.protocol import CompletionRequest
-from asynct.entrypoints.serve.serving import (SSE_DONE, ApiError, EventStream, ServingContext, TextStream,
-                                              collect, error_body, finite, prompt_logprobs_json, request_id, sse,
-                                              top_k, usage)
+from asynct.entrypoints.serve.responses import (SSE_DONE, EventStream, TextStream, collect, finite,
+                                                prompt_logprobs_json, request_id, sse, top_k, usage)
+from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):

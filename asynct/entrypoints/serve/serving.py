@@ -1,14 +1,10 @@
-"""What the completion and chat handlers share: the served model, prompt checks, running a request
-to the end while watching for the client to leave, and OpenAI's error bodies and SSE framing."""
+"""What the completion and chat handlers share on the way in: the served model, tokenising off the
+event loop, prompt checks, submitting to the engine, and OpenAI's error bodies. What they share
+on the way out (collecting or streaming a request's outputs) is responses.py's."""
 import asyncio
-import json
 import queue
 import threading
 import time
-import uuid
-
-from fastapi import Request
-from fastapi.responses import StreamingResponse
 
 from asynct.engine.detokenizer import Detokenizer
 from asynct.engine.inputs import check_bad_words, check_stop_strings
@@ -203,113 +199,3 @@ class ServingContext:
             raise ApiError(e.status, str(e)) from None
         self.latency.track(handle, stream)
         return handle
-
-
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-async def collect(handle: RequestHandle, request: Request) -> dict:
-    """The final output per prompt; aborts if the client leaves first."""
-    final = {}
-
-    async def run():
-        async for latest in handle.updates():
-            final.update(latest)
-
-    task, gone = asyncio.ensure_future(run()), asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            raise ApiError(499, "client disconnected")
-        task.result()
-    except EngineError as e:
-        raise ApiError(e.status, str(e)) from None
-    finally:
-        for t in (task, gone):
-            t.cancel()
-        handle.close()
-    return final
-
-
-class EventStream(StreamingResponse):
-    """A streamed response (SSE) that aborts what is unfinished of its request however it ends.
-    Its chunks' generator cannot: a client that leaves while the headers are being written has
-    the response cancelled before the generator's first step, so no line of it (`finally`
-    included) ever runs, and one that leaves while a chunk is being written leaves the generator
-    suspended at a `yield` until garbage collection closes it."""
-
-    def __init__(self, chunks, handle: RequestHandle):
-        super().__init__(chunks, media_type="text/event-stream")
-        self.handle = handle
-
-    async def __call__(self, scope, receive, send):
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.handle.close()
-
-
-async def _disconnected(request: Request):
-    # once the body is read, the next ASGI message is the disconnect
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def finite(x: float) -> float:
-    # JSON has no -inf; OpenAI reports impossible tokens as -9999
-    return x if x > -9999.0 else -9999.0
-
-
-def top_k(entry: dict, k: int) -> dict:
-    """A logprobs entry (token id -> Logprob: the token's own first, then the top ranks) cut to
-    the token's own and the top k, where the engine computed more for another field."""
-    return {t: lp for i, (t, lp) in enumerate(entry.items()) if i == 0 or lp.rank <= k}
-
-
-def prompt_logprobs_json(plp, k: int) -> list | None:
-    """vLLM's `prompt_logprobs`: per prompt position None (the first: nothing scores it) or token
-    id (a string, as JSON keys are) -> its logprob, rank and text: the prompt's token and the top k."""
-    return plp and [None if e is None else {str(t): {"logprob": finite(lp.logprob), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in top_k(e, k).items()}
-            for e in plp]
-
-
-def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-class TextStream:
-    """Per choice: what was already sent, so each chunk carries only the new text and tokens.
-    While running, the last len(longest stop) - 1 characters wait: they may turn out to start a
-    stop string, which must never reach the client. The last output's text is the engine's whole
-    text (it decodes the output once more at the finish, and leaves out a stop token's text).
-    A finished choice is sent once: with n > 1 the request's later outputs still carry it."""
-
-    def __init__(self, params):
-        self.hold = max((len(s) for s in params.stop_list), default=1) - 1
-        self.text, self.num_tokens = "", 0
-        self.finished = False
-
-    def delta(self, out) -> tuple[str, int, int] | None:
-        """(new text, first new token, end) or None when nothing new is there to send."""
-        if self.finished:
-            return None
-        self.finished = out.finished
-        text = out.text
-        if not out.finished and self.hold:
-            text = text[:max(len(self.text), len(text) - self.hold)]
-        start, end = self.num_tokens, len(out.token_ids)
-        if end == start and not out.finished and len(text) == len(self.text):
-            return None
-        new = text[len(self.text):] if text.startswith(self.text) else ""
-        self.text, self.num_tokens = self.text + new, end
-        return new, start, end
