@@ -176,7 +176,7 @@ def test_choices_take_their_shared_context_from_the_prefix_cache(engine_lm, hf_l
 def test_context_waves_come_in_chunks_that_fit_the_cache():
     """Each context's first request, then its others; contexts in chunks of at most `budget`
     context tokens, chunk after chunk; a context of no full block never waits."""
-    from asynct.integrations.lm_eval import _context_waves
+    from asynct.integrations.lm_eval_loglikelihood import _context_waves
     a, b, c, short = [1] * 20, [2] * 20, [3] * 20, [4] * 5
     inputs = [a + [9], a + [8], b + [9], short + [9], short + [8], c + [9], b + [8], c + [8], a + [7]]
     ctxlens = [20, 20, 20, 5, 5, 20, 20, 20, 20]
@@ -411,7 +411,7 @@ def test_a_mistyped_boolean_model_arg_is_an_error(capsys):
     passes model_args on: true/false in any case, 1/0, yes/no, on/off) and refuses anything else,
     naming the option and the value, through lm-eval's entry and `asynct eval`, before any engine
     starts."""
-    from asynct.integrations.lm_eval import _engine_args
+    from asynct.integrations.lm_eval_args import _engine_args
     assert _engine_args({"enforce_eager": "True", "enable_prefix_caching": "FALSE", "async_scheduling": False}) == \
         {"enforce_eager": True, "enable_prefix_caching": False, "async_scheduling": False}
     assert _engine_args({"enforce_eager": 1, "enable_prefix_caching": "no", "async_scheduling": "On"}) == \

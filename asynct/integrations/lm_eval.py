@@ -14,6 +14,9 @@ all of it at once (lm-eval's `batch_size` is accepted and ignored):
 
 Tokenisation matches lm-eval's `hf` backend (`tok_encode`, `_encode_pair`, BOS as the prefix of
 an empty context) so both backends score exactly the same token sequences.
+
+The loglikelihood requests are lm_eval_loglikelihood.py's; model_args and gen_kwargs checks,
+lm_eval_args.py's.
 """
 import logging
 import time
@@ -24,19 +27,16 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from asynct.engine.sampling_params import SamplingParams
+from asynct.integrations.lm_eval_args import _SAMPLING_KEYS, _engine_args, _refuse_unsupported
+from asynct.integrations.lm_eval_loglikelihood import LoglikelihoodMixin
 
 logger = logging.getLogger(__name__)
 
-# lm-eval gen_kwargs that SamplingParams takes under the same name
-_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty")
-
 
 @register_model("asynct")
-class AsyncTLM(TemplateLM):
+class AsyncTLM(LoglikelihoodMixin, TemplateLM):
     _DEFAULT_MAX_GEN_TOKS = 256
     _DEFAULT_SEED = 1234   # lm-eval's vllm backend's default seed
     latest: "AsyncTLM | None" = None  # the last one made: `asynct eval` reports its timings
@@ -156,56 +156,6 @@ class AsyncTLM(TemplateLM):
         stop = [s for s in until if s]
         return SamplingParams(max_tokens=max_gen, stop=stop, **extra), until, max_gen
 
-    # ---- loglikelihood ------------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
-        """requests: ((context, continuation) or None, context_ids, continuation_ids)."""
-        keep = self._score_length + 1   # as the hf backend: max_length predictions after 1 context token
-        inputs, ctxlens = [], []
-        for _, ctx, cont in requests:
-            whole = (ctx + cont)[-keep:]
-            inputs.append(whole)
-            # a continuation longer than max_length: its last max_length tokens (the first has no logits)
-            ctxlens.append(max(len(whole) - len(cont), 1))
-        outs = self._continuation_logprobs(inputs, ctxlens, disable_tqdm)
-        res = []
-        for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
-            answer = _continuation_logprob(ids, out.prompt_logprobs, n_ctx)
-            if key is not None:
-                self.cache_hook.add_partial("loglikelihood", key, answer)
-            res.append(answer)
-        return res
-
-    def _continuation_logprobs(self, inputs, ctxlens, disable_tqdm):
-        """Each input's RequestOutput with the prompt logprobs of its tokens from its ctxlen on
-        (prompt_logprobs=0: the token's own logprob and rank, no top-k lists)."""
-        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
-                  for n in ctxlens]
-        outs = [None] * len(inputs)
-        engine = self.llm.llm_engine
-        budget = engine.num_kv_blocks * engine.args.block_size // 2
-        for wave in _context_waves(inputs, ctxlens, engine.args.block_size, budget):
-            done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
-                                  disable_tqdm)
-            for i, out in zip(wave, done):
-                outs[i] = out
-        return outs
-
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        windows, owner = [], []
-        for i, (text,) in enumerate(r.args for r in requests):
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self._score_length, context_len=1)):
-                windows.append((None, ctx, cont))
-                owner.append(i)
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
-        totals = [0.0] * len(requests)
-        for i, (lp, _) in zip(owner, scores):
-            totals[i] += lp
-        for r, total in zip(requests, totals):
-            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
-        return totals
-
     # ---- the engine -------------------------------------------------------------------------
     def _generate(self, prompts, params, disable_tqdm):
         if not prompts:
@@ -219,54 +169,6 @@ class AsyncTLM(TemplateLM):
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outs)} engine requests failed; first: {failed[0]}")
         return outs
-
-
-# gen_kwargs values that change nothing (tasks' YAMLs spell them out): taken
-_NO_OPS = {"num_beams": 1}
-
-
-def _refuse_unsupported(kw: dict):
-    """gen_kwargs the engine has no knob for (num_beams=4, ...) were dropped,
-    and the run scored plain sampling as if they had been applied (lm-eval's hf backend applies
-    them, its vllm backend refuses them): refused before anything runs, but for values that
-    change nothing (_NO_OPS)."""
-    unsupported = sorted(k for k, v in kw.items()
-                         if k not in (*_SAMPLING_KEYS, "do_sample") and not (k in _NO_OPS and v == _NO_OPS[k]))
-    if unsupported:
-        raise ValueError(f"gen_kwargs {', '.join(unsupported)} not supported by the asynct engine; it takes "
-                         f"until, max_gen_toks, do_sample, {', '.join(_SAMPLING_KEYS)}")
-
-
-def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
-    """Request indices in waves: each context's first request, then the rest. The prefix cache
-    serves only what earlier steps computed, and a step admits many requests at once: a
-    question's choices submitted together would each compute the shared context. A context of
-    no full block before its last token (which the cache cannot serve) never waits. Contexts go
-    in chunks of at most `budget` context tokens (a share of the KV cache), each chunk's two
-    waves before the next chunk's: a first wave larger than the cache would evict its first
-    contexts before their second wave came for them."""
-    chunk_of, sizes, waves = {}, [], []
-    for i, (ids, n) in enumerate(zip(inputs, ctxlens)):
-        key = tuple(ids[:n])
-        later = key in chunk_of
-        if not later:
-            if not sizes or sizes[-1] + n > budget:
-                sizes.append(0)
-                waves.append(([], []))
-            chunk_of[key] = len(sizes) - 1
-            sizes[-1] += n
-        waves[chunk_of[key]][n > block_size and later].append(i)
-    return [wave for chunk in waves for wave in chunk if wave]
-
-
-def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
-    """Sum of the continuation tokens' logprobs; greedy when each was the top-ranked token."""
-    total, greedy = 0.0, True
-    for tok, entry in zip(ids[n_ctx:], prompt_logprobs[n_ctx:]):
-        lp = entry[tok]
-        total += lp.logprob
-        greedy = greedy and lp.rank == 1
-    return total, greedy
 
 
 def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
@@ -287,41 +189,3 @@ def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
         logger.warning("loglikelihood windows score %d tokens (max_model_len=%d less the first, which has no "
                        "logits), not max_length=%s", limit, max_model_len, max_length)
     return n, min(n, limit)
-
-
-def _engine_args(kw: dict) -> dict:
-    """model_args arrive as strings from the command line ("max_num_seqs=64"): coerce them to
-    the engine's field types, and drop lm-eval's own knobs that mean nothing here. A bad option
-    is a ValueError, which `asynct eval` prints as one line (a TypeError was a traceback)."""
-    from dataclasses import fields
-
-    from asynct.engine.engine_args import EngineArgs
-    types = {f.name: f.default for f in fields(EngineArgs) if f.name != "model"}
-    out = {}
-    for k, v in kw.items():
-        if k in ("device", "dtype") and v in (None, "", "auto"):
-            out[k] = None if k == "device" else "auto"
-        elif k in types:
-            try:
-                out[k] = _coerce(v, types[k])
-            except ValueError:
-                kind = "bool (true/false, 1/0, yes/no, on/off)" if isinstance(types[k], bool) \
-                    else type(types[k]).__name__
-                raise ValueError(f"asynct model_args option {k}={v!r}: not a {kind}") from None
-        elif k not in ("trust_remote_code", "parallelize"):
-            raise ValueError(f"unknown asynct model_args option {k!r}; options: pretrained, max_gen_toks, "
-                             f"max_length, prefix_token_id, and the engine's {', '.join(sorted(types))}")
-    return out
-
-
-def _coerce(v, default):
-    if isinstance(default, bool):
-        from asynct.engine.engine_args import as_flag
-        return as_flag("", v)
-    if not isinstance(v, str):
-        return v
-    if isinstance(default, int) or (default is None and v.isdigit()):
-        return int(v)
-    if isinstance(default, float):
-        return float(v)
-    return None if v.lower() == "none" else v

@@ -1,0 +1,92 @@
+"""lm-eval's loglikelihood requests for `AsyncTLM`: each (context, continuation) scored from the
+prompt logprobs of one prefill, in waves that let a shared context (a question's choices) come
+from the prefix cache, and `loglikelihood_rolling`'s windows scored the same way."""
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from asynct.engine.sampling_params import SamplingParams
+
+
+class LoglikelihoodMixin:
+    """AsyncTLM's loglikelihood methods. They read its llm, _score_length, prefix_token_id and
+    cache_hook, and run their prompts with its tok_encode and _generate."""
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """requests: ((context, continuation) or None, context_ids, continuation_ids)."""
+        keep = self._score_length + 1   # as the hf backend: max_length predictions after 1 context token
+        inputs, ctxlens = [], []
+        for _, ctx, cont in requests:
+            whole = (ctx + cont)[-keep:]
+            inputs.append(whole)
+            # a continuation longer than max_length: its last max_length tokens (the first has no logits)
+            ctxlens.append(max(len(whole) - len(cont), 1))
+        outs = self._continuation_logprobs(inputs, ctxlens, disable_tqdm)
+        res = []
+        for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
+            answer = _continuation_logprob(ids, out.prompt_logprobs, n_ctx)
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, answer)
+            res.append(answer)
+        return res
+
+    def _continuation_logprobs(self, inputs, ctxlens, disable_tqdm):
+        """Each input's RequestOutput with the prompt logprobs of its tokens from its ctxlen on
+        (prompt_logprobs=0: the token's own logprob and rank, no top-k lists)."""
+        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
+                  for n in ctxlens]
+        outs = [None] * len(inputs)
+        engine = self.llm.llm_engine
+        budget = engine.num_kv_blocks * engine.args.block_size // 2
+        for wave in _context_waves(inputs, ctxlens, engine.args.block_size, budget):
+            done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
+                                  disable_tqdm)
+            for i, out in zip(wave, done):
+                outs[i] = out
+        return outs
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for i, (text,) in enumerate(r.args for r in requests):
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
+                    token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                    max_seq_len=self._score_length, context_len=1)):
+                windows.append((None, ctx, cont))
+                owner.append(i)
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
+        totals = [0.0] * len(requests)
+        for i, (lp, _) in zip(owner, scores):
+            totals[i] += lp
+        for r, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
+        return totals
+
+
+def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
+    """Request indices in waves: each context's first request, then the rest. The prefix cache
+    serves only what earlier steps computed, and a step admits many requests at once: a
+    question's choices submitted together would each compute the shared context. A context of
+    no full block before its last token (which the cache cannot serve) never waits. Contexts go
+    in chunks of at most `budget` context tokens (a share of the KV cache), each chunk's two
+    waves before the next chunk's: a first wave larger than the cache would evict its first
+    contexts before their second wave came for them."""
+    chunk_of, sizes, waves = {}, [], []
+    for i, (ids, n) in enumerate(zip(inputs, ctxlens)):
+        key = tuple(ids[:n])
+        later = key in chunk_of
+        if not later:
+            if not sizes or sizes[-1] + n > budget:
+                sizes.append(0)
+                waves.append(([], []))
+            chunk_of[key] = len(sizes) - 1
+            sizes[-1] += n
+        waves[chunk_of[key]][n > block_size and later].append(i)
+    return [wave for chunk in waves for wave in chunk if wave]
+
+
+def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
+    """Sum of the continuation tokens' logprobs; greedy when each was the top-ranked token."""
+    total, greedy = 0.0, True
+    for tok, entry in zip(ids[n_ctx:], prompt_logprobs[n_ctx:]):
+        lp = entry[tok]
+        total += lp.logprob
+        greedy = greedy and lp.rank == 1
+    return total, greedy
