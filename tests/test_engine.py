@@ -218,13 +218,13 @@ def test_stop_token_text_is_left_out(gsm):
 def test_a_failed_lazy_capture_leaves_decoding_eager(tiny_ckpt, monkeypatch, caplog):
     """lazy_decode_graphs mid-run: a capture that fails (out of memory, say) is tried once,
     logged, and every request still finishes, eagerly (a CPU stand-in for the CUDA capture)."""
-    from asynct.engine import model_runner
+    from asynct.engine import runner_startup
     calls = []
 
     def failing(*args):
         calls.append(1)
         raise RuntimeError("out of memory (a stand-in)")
-    monkeypatch.setattr(model_runner, "CudaGraphRunner", failing)
+    monkeypatch.setattr(runner_startup, "CudaGraphRunner", failing)
     llm = LLM(tiny_ckpt, num_kv_blocks=64, lazy_decode_graphs=True)
     runner = llm.llm_engine.runner
     runner.decode_graphs_pending = True      # what allocate_kv_cache leaves on CUDA

@@ -351,7 +351,7 @@ def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
     Three-token steps once took dot tiles no warm-up count reached, until the warm-up counted
     the first count past the GEMV rows; two-token QKV calls without the store take the
     CUDA-core path since it serves QKV at two rows."""
-    from asynct.engine.model_runner import warmup_token_counts
+    from asynct.engine.runner_startup import warmup_token_counts
     from asynct.ops import fused_linear as fl
     seen = set()
 

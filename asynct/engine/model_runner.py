@@ -4,19 +4,15 @@ without waiting for the device, and finishes the step (results to the host) when
 With async scheduling the engine launches step N+1 before it finishes step N: tokens sampled in
 step N stay on the device and become step N+1's inputs there; only their copies to the host
 (pinned, non-blocking) are waited for, one step later."""
-import logging
-import os
 import time
 
 import torch
 
-from asynct import ops
 from asynct.attention import StepInputs, resolve_backend
 from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.context import reset_context, set_context
-from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.penalty_counts import PenaltyCounts
-from asynct.engine.piecewise_graph import PiecewiseGraphRunner
+from asynct.engine.runner_startup import RunnerStartup
 from asynct.engine.sampler import sample
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import LaunchedStep, StepOutput, entries, logprob_tensors, to_host
@@ -24,23 +20,8 @@ from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
 
-log = logging.getLogger("asynct")
 
-# the warm-up's last forward: just past the decode-sized fused linears (a cache smaller than
-# this can never hold such a step, so the warm-up stops at its size)
-WARMUP_TOKENS = ops.SMALL_M + 1
-
-
-def warmup_token_counts() -> tuple[list[int], list[int]]:
-    """(the warm-up's forwards, its QKV calls without the KV store), in tokens: every count the
-    fused linears' CUDA-core path takes (1-2), the first past it and SMALL_M (their dot tiles
-    at both row tiles), one past SMALL_M (the unfused ops, the KV write)."""
-    first_dot = ops.GEMV_MAX_ROWS + 1
-    gemv_and_dots = [*range(1, first_dot + 1), ops.SMALL_M]
-    return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
-
-
-class ModelRunner:
+class ModelRunner(RunnerStartup):
     def __init__(self, config, model_path, device, dtype, attention_backend, block_size,
                  max_num_seqs, max_num_batched_tokens, max_model_len, cudagraph_mode="none",
                  kv_cache_dtype="auto", lazy_decode_graphs=False, eos_token_ids=()):
@@ -76,96 +57,6 @@ class ModelRunner:
         self.last_sampled = None     # the previous step's sampled tokens, on the device
         self.penalty_counts = PenaltyCounts()
         self.timed = False           # record device time per step (benchmarks)
-
-    # ---- KV cache -------------------------------------------------------------------------
-    @property
-    def block_bytes(self) -> int:
-        c = self.config
-        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
-                * self.kv_dtype.itemsize)
-
-    def allocate_kv_cache(self, num_blocks: int, capture: bool = True):
-        c = self.config
-        shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.kv_dtype, device=self.device)
-        self.num_kv_blocks = num_blocks
-        for i, layer in enumerate(self.model.layers):
-            layer.attn.kv_cache = self.kv_cache[i]
-        if capture and self.device.type == "cuda":
-            self._warmup()
-        self.capture_seconds = {"decode_graphs": 0.0, "piecewise_graphs": 0.0}
-        self.decode_graphs_pending = capture and self.cudagraph_mode != "none"
-        if self.decode_graphs_pending and not self.lazy_decode_graphs:
-            self.capture_decode_graphs()
-        t0 = time.perf_counter()
-        if capture and self.cudagraph_mode == "full_and_piecewise":
-            self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
-        self.capture_seconds["piecewise_graphs"] = time.perf_counter() - t0
-
-    def capture_decode_graphs(self):
-        """At start-up, or (lazy_decode_graphs) before the first decode-only step. Capture writes
-        no KV (its slots are -1), so the cache's live sequences are safe mid-run."""
-        t0 = time.perf_counter()
-        self.decode_graphs_pending = False       # one try: a failed capture is not retried each step
-        try:
-            self.graphs = CudaGraphRunner(self, self.max_num_seqs)
-        except Exception:   # noqa: BLE001  (at start-up the start's error; mid-run, decode goes on eagerly)
-            if not self.lazy_decode_graphs:
-                raise
-            log.warning("capturing the decode graphs failed; decode steps run eagerly", exc_info=True)
-        self.capture_seconds["decode_graphs"] = time.perf_counter() - t0
-
-    def _compile_ahead(self):
-        """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
-        Triton cache: one by one, they were most of the engine's start-up)."""
-        from asynct.ops._triton import compile_only, triton
-        if triton is None:
-            return
-        with compile_only(os.cpu_count() or 4):
-            self.allocate_kv_cache(-(-WARMUP_TOKENS // self.block_size), capture=False)
-            self._warmup()
-        self._release_kv_cache()
-
-    @torch.inference_mode()
-    def _warmup(self):
-        """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
-        without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        then the attention variants none can reach."""
-        forwards, no_store = warmup_token_counts()
-        for n in forwards:
-            n = min(n, self.num_kv_blocks * self.block_size)
-            blocks = list(range(-(-n // self.block_size)))
-            step = StepInputs([n], [n], [blocks], list(range(n)), 0)
-            self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
-                          torch.arange(n, device=self.device), self.builder.build(step))
-        for n in no_store:
-            x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
-            self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
-                                                  self.model.cos_sin_cache, write_kv=False)
-        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
-        torch.cuda.synchronize(self.device)
-
-    @torch.inference_mode()
-    def profile_activation_memory(self) -> int:
-        """Peak bytes a full-budget prefill needs beyond the weights (over a scratch cache)."""
-        n = min(self.max_num_batched_tokens, self.max_model_len)
-        blocks = (n + self.block_size - 1) // self.block_size
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(self.device)
-        self.allocate_kv_cache(blocks, capture=False)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        step = StepInputs([n], [n], [list(range(blocks))], list(range(n)), 0)
-        self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
-                      torch.arange(n, device=self.device), self.builder.build(step))
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        self._release_kv_cache()
-        return peak
-
-    def _release_kv_cache(self):
-        self.kv_cache = None
-        for layer in self.model.layers:
-            layer.attn.kv_cache = torch.empty(0)
-        torch.cuda.empty_cache()
 
     # ---- one step -------------------------------------------------------------------------
     def step_inputs(self, batch: ScheduledBatch):

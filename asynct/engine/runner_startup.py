@@ -1,0 +1,123 @@
+"""The model runner's start-up half: the KV cache, the warm-up that compiles every kernel before
+serving (in parallel, on a fresh machine), the activation-memory profile and the CUDA-graph
+captures. ModelRunner (model_runner.py) is the step half."""
+import logging
+import os
+import time
+
+import torch
+
+from asynct import ops
+from asynct.attention import StepInputs
+from asynct.engine.cuda_graph import CudaGraphRunner
+from asynct.engine.piecewise_graph import PiecewiseGraphRunner
+
+log = logging.getLogger("asynct")
+
+# the warm-up's last forward: just past the decode-sized fused linears (a cache smaller than
+# this can never hold such a step, so the warm-up stops at its size)
+WARMUP_TOKENS = ops.SMALL_M + 1
+
+
+def warmup_token_counts() -> tuple[list[int], list[int]]:
+    """(the warm-up's forwards, its QKV calls without the KV store), in tokens: every count the
+    fused linears' CUDA-core path takes (1-2), the first past it and SMALL_M (their dot tiles
+    at both row tiles), one past SMALL_M (the unfused ops, the KV write)."""
+    first_dot = ops.GEMV_MAX_ROWS + 1
+    gemv_and_dots = [*range(1, first_dot + 1), ops.SMALL_M]
+    return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
+
+
+class RunnerStartup:
+    """ModelRunner's start-up methods; they read its config, device, dtype, model, backend and
+    block sizes."""
+
+    # ---- KV cache -------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        c = self.config
+        return (2 * c.num_hidden_layers * self.block_size * c.num_key_value_heads * c.head_dim
+                * self.kv_dtype.itemsize)
+
+    def allocate_kv_cache(self, num_blocks: int, capture: bool = True):
+        c = self.config
+        shape = self.backend.get_kv_cache_shape(num_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = torch.empty(c.num_hidden_layers, *shape, dtype=self.kv_dtype, device=self.device)
+        self.num_kv_blocks = num_blocks
+        for i, layer in enumerate(self.model.layers):
+            layer.attn.kv_cache = self.kv_cache[i]
+        if capture and self.device.type == "cuda":
+            self._warmup()
+        self.capture_seconds = {"decode_graphs": 0.0, "piecewise_graphs": 0.0}
+        self.decode_graphs_pending = capture and self.cudagraph_mode != "none"
+        if self.decode_graphs_pending and not self.lazy_decode_graphs:
+            self.capture_decode_graphs()
+        t0 = time.perf_counter()
+        if capture and self.cudagraph_mode == "full_and_piecewise":
+            self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
+        self.capture_seconds["piecewise_graphs"] = time.perf_counter() - t0
+
+    def capture_decode_graphs(self):
+        """At start-up, or (lazy_decode_graphs) before the first decode-only step. Capture writes
+        no KV (its slots are -1), so the cache's live sequences are safe mid-run."""
+        t0 = time.perf_counter()
+        self.decode_graphs_pending = False       # one try: a failed capture is not retried each step
+        try:
+            self.graphs = CudaGraphRunner(self, self.max_num_seqs)
+        except Exception:   # noqa: BLE001  (at start-up the start's error; mid-run, decode goes on eagerly)
+            if not self.lazy_decode_graphs:
+                raise
+            log.warning("capturing the decode graphs failed; decode steps run eagerly", exc_info=True)
+        self.capture_seconds["decode_graphs"] = time.perf_counter() - t0
+
+    def _compile_ahead(self):
+        """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
+        Triton cache: one by one, they were most of the engine's start-up)."""
+        from asynct.ops._triton import compile_only, triton
+        if triton is None:
+            return
+        with compile_only(os.cpu_count() or 4):
+            self.allocate_kv_cache(-(-WARMUP_TOKENS // self.block_size), capture=False)
+            self._warmup()
+        self._release_kv_cache()
+
+    @torch.inference_mode()
+    def _warmup(self):
+        """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
+        without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
+        then the attention variants none can reach."""
+        forwards, no_store = warmup_token_counts()
+        for n in forwards:
+            n = min(n, self.num_kv_blocks * self.block_size)
+            blocks = list(range(-(-n // self.block_size)))
+            step = StepInputs([n], [n], [blocks], list(range(n)), 0)
+            self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                          torch.arange(n, device=self.device), self.builder.build(step))
+        for n in no_store:
+            x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
+                                                  self.model.cos_sin_cache, write_kv=False)
+        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def profile_activation_memory(self) -> int:
+        """Peak bytes a full-budget prefill needs beyond the weights (over a scratch cache)."""
+        n = min(self.max_num_batched_tokens, self.max_model_len)
+        blocks = (n + self.block_size - 1) // self.block_size
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
+        self.allocate_kv_cache(blocks, capture=False)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        step = StepInputs([n], [n], [list(range(blocks))], list(range(n)), 0)
+        self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                      torch.arange(n, device=self.device), self.builder.build(step))
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        self._release_kv_cache()
+        return peak
+
+    def _release_kv_cache(self):
+        self.kv_cache = None
+        for layer in self.model.layers:
+            layer.attn.kv_cache = torch.empty(0)
+        torch.cuda.empty_cache()
