@@ -335,6 +335,25 @@ def test_shutdown_ends_a_running_stream_with_an_error_event(tiny_ckpt):
     assert all(e.client.exited for e in app.state.ctx.engine.engines)
 
 
+def test_sigterm_to_the_process_group_lets_running_requests_finish(tiny_ckpt):
+    """`systemctl stop` (KillMode=control-group) and `kill -TERM -<pgid>` signal the engine process
+    too: it ignored only SIGINT and died at once, failing the requests the server's graceful
+    shutdown would have finished. A stream shorter than the graceful timeout now completes."""
+    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None)
+    body = {"model": "tiny", "prompt": "short", "max_tokens": 30, "ignore_eos": True, "stream": True}
+    server = ServerThread(app)
+    with server as url:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            os.kill(app.state.ctx.engine.engines[0].client.proc.pid, signal.SIGTERM)
+            server.server.should_exit = True      # the server's own SIGTERM
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]", rest[-3:]
+    assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length", rest[-2]
+    assert all(e.client.exited for e in app.state.ctx.engine.engines)
+
+
 def test_one_engine_hashes_no_prefix_keys(server, monkeypatch):
     """The prefix keys route requests between data-parallel engines: with one, hashing every block
     of each prompt (ms for a long one) held the event loop for nothing."""

@@ -25,10 +25,13 @@ log = logging.getLogger("asynct.engine")
 def run_engine_core(args: EngineArgs, make_engine, inbox, outbox):
     """The child process's main: builds the engine, reports, then steps until told to stop or the
     front end goes away."""
-    # Ctrl-C in a terminal reaches the whole process group: the front end decides what it means
-    # (an interrupted LLM.generate goes on with its engines, a server stops them); the engine
-    # would die of it with a traceback, and its requests as if it had crashed
+    # Ctrl-C in a terminal reaches the whole process group, and so does SIGTERM from `systemctl
+    # stop` (KillMode=control-group) or `kill -TERM -<pgid>`: the front end decides what they mean
+    # (an interrupted LLM.generate goes on with its engines, a server finishes its requests within
+    # the graceful timeout, then stops them); the engine would die at once, and its requests as if
+    # it had crashed. It still ends with its front end (_exit_with_parent), or by SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
