@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help="checkpoint directory (default: the shipped tiny-gsm)")
     d.set_defaults(fn=cmd_demo)
     for name, module in (("serve", "asynct.entrypoints.serve"), ("eval", "asynct.integrations.lm_eval_cli"),
-                         ("bench", "asynct.entrypoints.bench")):
+                         ("bench", "asynct.entrypoints.bench_cli")):
         add_optional(sub, name, module)
     return p
 
