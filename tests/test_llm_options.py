@@ -263,6 +263,45 @@ def test_penalties_give_the_same_tokens_with_async_scheduling(tiny_ckpt, setting
             assert sync[1] == unpenalised[1] and all(sync[i] != unpenalised[i] for i in (0, 2, 3)), kw
 
 
+FLAKY_PROMPTS = [[120, 163, 188, 98, 255, 241, 202, 72, 110, 191, 172], [61, 253, 233, 253, 246, 122, 48],
+                 [238, 100, 230, 84, 59, 148, 119], [204, 184, 169, 133], [230, 229, 18], [198, 50, 184, 236, 226, 48, 53, 5]]
+FLAKY_PARAMS = [dict(repetition_penalty=1.8), dict(frequency_penalty=2.0), dict(repetition_penalty=1.8),
+                dict(presence_penalty=2.0, repetition_penalty=1.5), dict(repetition_penalty=2.0), dict(frequency_penalty=2.0)]
+
+
+@pytest.mark.parametrize("upload", ["prompt marks", "new output tokens"])
+def test_a_step_that_fails_while_penalising_leaves_the_counts_as_they_were(tiny_ckpt, monkeypatch, upload):
+    """The penalty counts live on between steps. A step that raised after a row was taken (before
+    the prompt's marks were in) or after its new tokens were taken as counted (before they were
+    added) left them so: its one-by-one retry never counted them, and requests that did not fail
+    went on with other tokens than a run without the failure."""
+    import asynct.engine.penalties as penalties
+    import asynct.engine.penalty_counts as penalty_counts
+    prompts = [{"prompt_token_ids": p} for p in FLAKY_PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **kw) for kw in FLAKY_PARAMS]
+    want = token_ids(LLM(tiny_ckpt, async_scheduling=False, num_kv_blocks=100).generate(prompts, params, use_tqdm=False))
+    module, name = ((penalty_counts, "host_to_device") if upload == "prompt marks"
+                    else (penalties, "host_to_device_many"))
+    real, uploads, fail_at = getattr(module, name), [], 1 if upload == "prompt marks" else 5
+
+    def flaky(*args, **kwargs):
+        """Raises once: at the first upload of prompt marks, or the fifth that sends new tokens."""
+        if upload == "prompt marks" or len(args[0][1][0]):
+            uploads.append(1)
+            if len(uploads) == fail_at:
+                raise RuntimeError("out of memory (a stand-in)")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(module, name, flaky)
+    got = {}
+    for mode in ("sync", "async"):
+        uploads.clear()
+        outs = LLM(tiny_ckpt, async_scheduling=mode == "async", num_kv_blocks=100).generate(
+            prompts, params, use_tqdm=False)
+        assert len(uploads) > fail_at and all(o.error is None for o in outs)
+        got[mode] = token_ids(outs)
+    assert got == {"sync": want, "async": want}
+
+
 def test_repetition_penalty_equals_transformers(tiny_ckpt, llm):
     """HF's repetition_penalty is vLLM's: over the prompt and the output so far."""
     import torch

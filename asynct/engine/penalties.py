@@ -89,11 +89,12 @@ def _penalise(logits, seqs, prev_sampled, counts: PenaltyCounts):
     rows = counts.rows(seqs, vocab, dev)
     pending = [(i, s.sample_row) for i, s in enumerate(seqs) if s.num_pending_tokens and s.params.penalised]
     dst, src = zip(*pending) if pending else ((), ())
+    new, upto = counts.new_tokens(seqs, rows)
     rows_d, new, dst, src, rep, freq, pres = host_to_device_many(
-        [(rows, torch.int64), (counts.new_tokens(seqs, rows), torch.int64), ([i * vocab for i in dst], torch.int64),
+        [(rows, torch.int64), (new, torch.int64), ([i * vocab for i in dst], torch.int64),
          (src, torch.int64)] + [([getattr(s.params, name) for s in seqs], torch.float32)
                                 for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")], dev)
-    counts.add(new)
+    counts.add(new, upto=upto)
     seen_counts = counts.counts.index_select(0, rows_d)
     if pending:     # the token still on the device, for this step only: the host adds it later
         counts.add(dst + prev_sampled[src], into=seen_counts)

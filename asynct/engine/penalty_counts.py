@@ -28,21 +28,25 @@ class PenaltyCounts:
             self._grow(8, vocab, device)
         return [self._row(s) if s.params.penalised else 0 for s in seqs]
 
-    def new_tokens(self, seqs, rows: list[int]) -> np.ndarray:
+    def new_tokens(self, seqs, rows: list[int]) -> tuple[np.ndarray, list[tuple[int, int]]]:
         """Flat indices (row * vocab + token) of the output tokens the host received since the
-        step before; from then on the rows hold them."""
-        vocab, parts = self.counts.shape[1], []
+        step before, and (row, output tokens) for `add` to record: the rows hold them only once
+        they are added (a step that raises before, then run one by one, sends them again)."""
+        vocab, parts, upto = self.counts.shape[1], [], []
         for seq, row in zip(seqs, rows):
             start = seq.num_prompt_tokens + self.counted[row]
             if row and len(seq.token_ids) > start:
                 parts.append(np.asarray(seq.token_ids[start:], dtype=np.int64) + row * vocab)
-                self.counted[row] = seq.num_output_tokens
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+                upto.append((row, seq.num_output_tokens))
+        return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), upto
 
-    def add(self, flat: torch.Tensor, into: torch.Tensor | None = None):
-        """+1 at each flat index of `into` (the counts by default); repeats add up."""
+    def add(self, flat: torch.Tensor, into: torch.Tensor | None = None, upto=()):
+        """+1 at each flat index of `into` (the counts by default); repeats add up. `upto`:
+        new_tokens' rows, which hold their tokens from now on."""
         into = self.counts if into is None else into
         into.view(-1).index_add_(0, flat, self.ones(flat.shape[0]))
+        for row, n in upto:
+            self.counted[row] = n
 
     def ones(self, n: int) -> torch.Tensor:
         if self._ones is None or self._ones.shape[0] < n:
@@ -53,11 +57,12 @@ class PenaltyCounts:
         row = self.row_of.get(seq)
         if row is None:
             row = self._free_row()
-            self.owner[row], self.counted[row], self.row_of[seq] = seq, 0, row
             self.counts[row].zero_()
             # rows without a repetition penalty divide by 1: their prompt marks change nothing
             if seq.params.repetition_penalty != 1:
                 self._mark_prompt(row, seq)
+            # taken once ready: a step that raises before leaves the row free, to be made again
+            self.owner[row], self.counted[row], self.row_of[seq] = seq, 0, row
         return row
 
     def _free_row(self) -> int:
