@@ -302,6 +302,24 @@ def test_a_step_that_fails_while_penalising_leaves_the_counts_as_they_were(tiny_
     assert got == {"sync": want, "async": want}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_finished_penalised_sequences_are_not_kept_alive(tiny_ckpt, async_scheduling):
+    """A penalised sequence's row of counts named its sequence until a new penalised one took the
+    row: finished sequences (their tokens, logprobs, generators, device tensors) stayed alive,
+    as many as the rows grew to, for as long as no other penalised request came."""
+    import gc
+    import weakref
+    engine = LLM(tiny_ckpt, async_scheduling=async_scheduling, num_kv_blocks=64).llm_engine
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=6, ignore_eos=True, frequency_penalty=1.0,
+                            repetition_penalty=1.2, logprobs=3, n=2)
+    seqs = [weakref.ref(s) for i in range(5) for s in engine.add_request(str(i), [1, 2, 3 + i], params).seqs]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(engine.runner.penalty_counts.owner) > 8      # ten rows: grown, and each one held
+    gc.collect()
+    assert [s() for s in seqs] == [None] * 10
+
+
 def test_repetition_penalty_equals_transformers(tiny_ckpt, llm):
     """HF's repetition_penalty is vLLM's: over the prompt and the output so far."""
     import torch

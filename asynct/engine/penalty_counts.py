@@ -7,6 +7,8 @@ decoding) and, for that step alone, the token still pending on the device (async
 Rebuilding the counts every step from the host's token lists (a sort of every seen token, ~30
 kernels, 3-4 uploads) took 0.77 ms of host time a step: a penalised batch-1 step ran 1.7 ms
 against 0.86 (H200). Row 0 stays zero: it stands for the rows of a step without penalties."""
+import weakref
+
 import numpy as np
 import torch
 
@@ -17,9 +19,11 @@ class PenaltyCounts:
     def __init__(self):
         self.counts = None                 # int32 [slots, vocab]
         self.in_prompt = None              # bool [slots, vocab], made for the first repetition penalty
-        self.owner: list = [None]          # the sequence holding each row (row 0: nobody, ever)
+        # weak references to the sequence holding each row (row 0: nobody, ever): a finished
+        # sequence's tokens and logprobs are not kept alive until another takes its row
+        self.owner: list = [None]
         self.counted: list[int] = [0]      # how many of its output tokens the row holds
-        self.row_of: dict = {}             # sequence -> row
+        self.row_of = weakref.WeakKeyDictionary()   # sequence -> row
         self._ones = None
 
     def rows(self, seqs, vocab: int, device) -> list[int]:
@@ -62,13 +66,15 @@ class PenaltyCounts:
             if seq.params.repetition_penalty != 1:
                 self._mark_prompt(row, seq)
             # taken once ready: a step that raises before leaves the row free, to be made again
-            self.owner[row], self.counted[row], self.row_of[seq] = seq, 0, row
+            self.owner[row], self.counted[row], self.row_of[seq] = weakref.ref(seq), 0, row
         return row
 
     def _free_row(self) -> int:
-        for row, seq in enumerate(self.owner[1:], 1):
+        for row, ref in enumerate(self.owner[1:], 1):
+            seq = ref and ref()
             if seq is None or seq.is_finished:
-                self.row_of.pop(seq, None)
+                if seq is not None:
+                    self.row_of.pop(seq, None)
                 return row
         n = len(self.owner)
         self._grow(2 * n, self.counts.shape[1], self.counts.device)
