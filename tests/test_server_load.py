@@ -315,21 +315,31 @@ class SlowEngine(LLMEngine):
         return super().step()
 
 
-def test_shutdown_ends_a_running_stream_with_an_error_event(tiny_ckpt):
-    """SIGTERM or Ctrl-C under a stream that outlasts the graceful timeout: the stream ends with
-    an error event and [DONE] (uvicorn cancelled its task: the connection was cut mid-stream, a
-    CancelledError traceback in the log), soon, and the engine process is gone after."""
-    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None)
-    body = {"model": "tiny", "prompt": "long", "max_tokens": 1800, "ignore_eos": True, "stream": True}
+def shut_down_under_a_stream(ckpt, max_tokens, signal_engine=False):
+    """Streams `max_tokens` from a SlowEngine, then shuts the server down as its SIGTERM does
+    (and, with signal_engine, SIGTERMs the engine process first, as a process group's signal
+    does); returns the stream's remaining lines, the seconds they took and the app."""
+    app = make_app(ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None)
+    body = {"model": "tiny", "prompt": "long", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     server = ServerThread(app)
     with server as url:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: {")
+            if signal_engine:
+                os.kill(app.state.ctx.engine.engines[0].client.proc.pid, signal.SIGTERM)
             server.server.should_exit = True      # what uvicorn's signal handler does
             start = time.monotonic()
             rest = [line for line in lines if line]
             took = time.monotonic() - start
+    return rest, took, app
+
+
+def test_shutdown_ends_a_running_stream_with_an_error_event(tiny_ckpt):
+    """SIGTERM or Ctrl-C under a stream that outlasts the graceful timeout: the stream ends with
+    an error event and [DONE] (uvicorn cancelled its task: the connection was cut mid-stream, a
+    CancelledError traceback in the log), soon, and the engine process is gone after."""
+    rest, took, app = shut_down_under_a_stream(tiny_ckpt, 1800)
     assert rest[-1] == "data: [DONE]" and "the server is shutting down" in rest[-2]
     assert took < 10      # the graceful timeout is 2 s; the stream alone runs ~40 s
     assert all(e.client.exited for e in app.state.ctx.engine.engines)
@@ -339,16 +349,7 @@ def test_sigterm_to_the_process_group_lets_running_requests_finish(tiny_ckpt):
     """`systemctl stop` (KillMode=control-group) and `kill -TERM -<pgid>` signal the engine process
     too: it ignored only SIGINT and died at once, failing the requests the server's graceful
     shutdown would have finished. A stream shorter than the graceful timeout now completes."""
-    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None)
-    body = {"model": "tiny", "prompt": "short", "max_tokens": 30, "ignore_eos": True, "stream": True}
-    server = ServerThread(app)
-    with server as url:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: {")
-            os.kill(app.state.ctx.engine.engines[0].client.proc.pid, signal.SIGTERM)
-            server.server.should_exit = True      # the server's own SIGTERM
-            rest = [line for line in lines if line]
+    rest, _, app = shut_down_under_a_stream(tiny_ckpt, 30, signal_engine=True)
     assert rest[-1] == "data: [DONE]", rest[-3:]
     assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length", rest[-2]
     assert all(e.client.exited for e in app.state.ctx.engine.engines)
