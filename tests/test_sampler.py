@@ -241,3 +241,15 @@ def test_a_penalised_step_sends_only_the_tokens_since_the_step_before(monkeypatc
             s.append_token(5)
     assert len(sent) == 3
     assert [len(parts[1][0]) for parts in sent] == [4 + 4 + 3, 3, 3]
+
+
+def test_penalty_rows_grow_to_the_engines_batch_not_past_it():
+    """Rows double up to the engine's max_num_seqs + 1 (every running sequence penalised, and
+    the zero row), not past it: doubling made 512 rows (390 MB at a 152k vocabulary) of 257."""
+    from asynct.engine.penalties import adjust_logits
+    from asynct.engine.penalty_counts import PenaltyCounts
+    rows = [ROWS[1]] * 12
+    counts = PenaltyCounts(rows_hint=13)
+    want = reference(awkward_logits(rows), rows)
+    assert torch.equal(adjust_logits(awkward_logits(rows), make_seqs(rows), None, counts), want)
+    assert len(counts.owner) == counts.counts.shape[0] == 13

@@ -55,7 +55,7 @@ class ModelRunner(RunnerStartup):
             self._compile_ahead()
         self.max_num_seqs = max_num_seqs
         self.last_sampled = None     # the previous step's sampled tokens, on the device
-        self.penalty_counts = PenaltyCounts()
+        self.penalty_counts = PenaltyCounts(rows_hint=max_num_seqs + 1)
         self.timed = False           # record device time per step (benchmarks)
 
     # ---- one step -------------------------------------------------------------------------
