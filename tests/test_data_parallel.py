@@ -281,6 +281,29 @@ time.sleep(300)
 """
 
 
+# starts an engine on a long request, then just ends (no stop)
+LEAVER = """
+import sys
+from asynct.engine.core_client import CoreClient
+from asynct.engine.engine_args import EngineArgs
+from asynct.engine.sampling_params import SamplingParams
+client = CoreClient(EngineArgs(model=sys.argv[1], max_num_seqs=4, num_kv_blocks=256))
+client.wait_ready()
+client.start(lambda msg: None)
+client.add(("r", [5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True), False))
+print("leaving", flush=True)
+"""
+
+
+def test_a_script_that_ends_without_stopping_its_engine_exits(tiny_ckpt):
+    """The engine process ignores SIGTERM (a process group's is for the front end to handle), and
+    multiprocessing's exit handler ends daemonic children with SIGTERM, then waits for them: a
+    script that ended without stopping its engine waited forever. They are stopped first."""
+    done = subprocess.run([sys.executable, "-c", LEAVER, str(tiny_ckpt)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0 and "leaving" in done.stdout, done.stderr[-2000:]
+
+
 def test_an_engine_whose_front_end_was_killed_exits_quietly(tiny_ckpt):
     """SIGKILL of the process holding an engine, mid-request: the engine exits by itself (its
     stderr, which it shares with the holder, closes), and without the BrokenPipeError traceback

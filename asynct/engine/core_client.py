@@ -2,11 +2,13 @@
 for its model, and runs two threads: a sender that batches adds and aborts into one message each,
 and a receiver that hands every message from the core to a callback. Callers decide where those
 messages go: the server posts them to its event loop, data parallel `LLM` to a queue it drains."""
+import atexit
 import contextlib
 import multiprocessing as mp
 import os
 import queue
 import threading
+import weakref
 from multiprocessing.connection import wait as wait_for
 
 from asynct.engine.core_proc import run_engine_core
@@ -16,6 +18,17 @@ from asynct.engine.llm_engine import LLMEngine
 # every process the engine starts: the GPU machines it runs on need NVLink multicast off
 CHILD_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 _env_lock = threading.Lock()
+
+
+_running: "weakref.WeakSet[CoreClient]" = weakref.WeakSet()
+
+
+def _stop_at_exit():
+    """Engine processes ignore SIGTERM (core_proc.run_engine_core), and multiprocessing's own exit
+    handler ends daemonic children with SIGTERM, then waits for them: a script that ended without
+    stopping its engines waited forever. Registered after that handler, so it runs before it."""
+    for client in list(_running):
+        client.stop(timeout=5)
 
 
 class EngineDeadError(RuntimeError):
@@ -39,6 +52,10 @@ class CoreClient:
         env = {**CHILD_ENV, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else {})}
         with child_env(env):
             self.proc.start()
+        if not _running:
+            atexit.unregister(_stop_at_exit)
+            atexit.register(_stop_at_exit)
+        _running.add(self)
         core_inbox.close()
         core_outbox.close()              # so that the core's exit reads as EOF here
         self.sendq: queue.SimpleQueue = queue.SimpleQueue()
@@ -80,6 +97,7 @@ class CoreClient:
         self.sendq.put(("abort", rids))
 
     def stop(self, timeout: float = 30):
+        _running.discard(self)
         self.sendq.put(("stop",))
         if not self.threads:             # never started: nothing sends for us
             with contextlib.suppress(OSError):
