@@ -64,7 +64,7 @@ class EngineArgs:
                              "(docs/vllm.md)")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        check_source(self.generation_config, self.model)
+        check_source(self.generation_config)
         if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
             raise ValueError(f"override_generation_config must be a dict, got {self.override_generation_config!r:.60}")
         self._check_sizes()

@@ -16,7 +16,7 @@ SAMPLING_FIELDS = {"repetition_penalty": "repetition_penalty", "temperature": "t
                    "top_p": "top_p", "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
-def check_source(source, model: str):
+def check_source(source):
     """A ValueError where `source` is neither "auto", "vllm" nor a folder holding the file."""
     if not isinstance(source, str):
         raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r:.60}")
