@@ -9,6 +9,10 @@ from asynct import LLM, SamplingParams
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
+# module-scoped engines live beside each test's own: on a GPU an engine takes its share of what
+# is free, leaving the next none, so these get a fixed cache
+SHARED = dict(num_kv_blocks=4096)
+
 ONE = SamplingParams(temperature=0, max_tokens=1)
 # the server's --chat-template: messages, each closed by "|", and an assistant's tool calls as
 # templates write them
@@ -19,12 +23,13 @@ TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}"
 
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
-    return LLM(tiny_ckpt)
+    return LLM(tiny_ckpt, **SHARED)
 
 
 @pytest.fixture(scope="module")
 def app(tiny_ckpt):
-    return make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None)
+    return make_app(tiny_ckpt, served_model_name="tiny", chat_template=TEMPLATE, log_stats_interval=None,
+                    **SHARED)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,10 @@ from transformers import AutoModelForCausalLM
 
 from asynct import LLM, SamplingParams
 
+# module-scoped engines live beside each test's own: on a GPU an engine takes its share of what
+# is free, leaving the next none, so these get a fixed cache
+SHARED = dict(num_kv_blocks=4096)
+
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 TINY_GSM = Path(__file__).resolve().parents[1] / "models" / "tiny-gsm"     # the shipped trained model
 QUESTION = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
@@ -171,7 +175,7 @@ def test_stop_strings_and_tokens(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def gsm():
-    return LLM(TINY_GSM)
+    return LLM(TINY_GSM, **SHARED)
 
 
 def test_stop_strings_wait_for_min_tokens(gsm):
@@ -389,7 +393,7 @@ def test_malformed_prompt_fails_alone(llm_shared, prompt):
 
 @pytest.fixture(scope="module")
 def llm_shared(tiny_ckpt):
-    return LLM(tiny_ckpt)
+    return LLM(tiny_ckpt, **SHARED)
 
 
 def test_abort_frees_blocks_and_n_samples(tiny_ckpt):

@@ -13,6 +13,10 @@ from asynct import LLM, SamplingParams
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
+# module-scoped engines live beside each test's own: on a GPU an engine takes its share of what
+# is free, leaving the next none, so these get a fixed cache
+SHARED = dict(num_kv_blocks=4096)
+
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
@@ -21,7 +25,7 @@ PROMPTS = ["Hello world", "The quick brown fox", "1 + 1 ="]
 
 @pytest.fixture(scope="module")
 def url(tiny_ckpt):
-    app = make_app(tiny_ckpt, served_model_name="tiny", api_key=KEY, max_body_bytes=64 << 10)
+    app = make_app(tiny_ckpt, served_model_name="tiny", api_key=KEY, max_body_bytes=64 << 10, **SHARED)
     with ServerThread(app) as u:
         yield u
 
@@ -33,7 +37,7 @@ def client(url):
 
 @pytest.fixture(scope="module")
 def llm(tiny_ckpt):
-    return LLM(tiny_ckpt)
+    return LLM(tiny_ckpt, **SHARED)
 
 
 def ref(llm, prompt, params=GREEDY):
@@ -510,8 +514,9 @@ def test_throughput_log_line():
     assert line.endswith("Running: 3 reqs, Waiting: 1 reqs, KV cache usage: 25.0%, Prefix cache hit rate: 50.0%")
 
 
-def test_startup_summary_line(llm, tiny_ckpt):
+def test_startup_summary_line(tiny_ckpt):
     from asynct.entrypoints.serve.metrics import summary_line
+    llm = LLM(tiny_ckpt, device="cpu")    # the CPU defaults, on a GPU machine too
     s = llm.llm_engine.summary()
     line = summary_line("tiny", str(tiny_ckpt), s, 2.345)
     blocks = llm.llm_engine.block_manager.num_blocks
