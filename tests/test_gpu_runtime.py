@@ -75,7 +75,8 @@ def test_nothing_compiles_after_start_up(gqa_ckpt, eager):
         for name in ("throughput", "gsm8k", "latency"):
             run_engine(llm, workload(name, vocab, scale=0.1))
         sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=1, max_tokens=5,
-                                 logprobs=3, prompt_logprobs=2, min_tokens=2, stop_token_ids=[7])
+                                 logprobs=3, prompt_logprobs=2, min_tokens=2, stop_token_ids=[7],
+                                 repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.25)
         llm.generate([{"prompt_token_ids": list(range(1, n))} for n in (2, 17, 26, 300, 1500)], sampled,
                      use_tqdm=False)
     del llm     # before the assert: a failure's traceback would keep the engine's memory

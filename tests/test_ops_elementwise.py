@@ -211,3 +211,33 @@ def test_elementwise_gpu():
         close(g, r, 2e-2)
     gu = torch.randn(t, 6144, generator=gen).bfloat16().cuda()
     close(reglu(gu), reglu_ref(gu), 1e-2)
+
+
+@pytest.mark.parametrize("marks", [False, True])
+def test_penalties_kernel_equals_its_reference_bit_for_bit(marks):
+    """The fused penalties (interpreted on CPU) against the torch ops, on awkward rows: the zero
+    row and one row read by two, every penalty neutral on some rows and negative on others,
+    pending tokens or none, zero, negative and -inf logits, a vocabulary not a multiple of the
+    kernel's block."""
+    from asynct.ops.penalties import BLOCK, apply_penalties_ref, apply_penalties_triton
+    g = torch.Generator().manual_seed(3)
+    r, v, slots = 7, BLOCK + 37, 5
+    logits = torch.randn(r, v, generator=g) * 4
+    logits[:, ::11] = 0.0
+    logits[1, 5:40] = float("-inf")
+    counts = torch.randint(0, 4, (slots, v), generator=g, dtype=torch.int32) * (torch.rand(slots, v, generator=g) < 0.1)
+    counts[0] = 0
+    in_prompt = (torch.rand(slots, v, generator=g) < 0.05) if marks else None
+    if marks:
+        in_prompt[0] = False
+    rows = torch.tensor([0, 1, 2, 2, 3, 4, 1])
+    pending = torch.tensor([-1, 7, v - 1, -1, 0, 3, BLOCK])
+    rep = torch.tensor([1.0, 1.5, 0.7, 1.0, 2.0, 1.25, 1.0])
+    freq = torch.tensor([0.0, 0.5, -0.75, 1.0, 0.0, 2.0, 0.0])
+    pres = torch.tensor([0.0, -1.5, 0.0, 0.25, 1.0, 0.0, 0.5])
+    args = (counts, rows, in_prompt, pending, rep, freq, pres)
+    want = apply_penalties_ref(logits.clone(), *args)
+    got = on_dev(apply_penalties_triton, logits.clone(), *args)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, logits)
+    assert torch.equal(want[0], logits[0])      # a neutral row on the zero row keeps its bits

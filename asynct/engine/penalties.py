@@ -8,6 +8,7 @@ import torch
 from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.bad_words import ban_bad_words
 from asynct.engine.penalty_counts import PenaltyCounts
+from asynct.ops.penalties import apply_penalties
 
 
 def adjust_logits(logits: torch.Tensor, seqs, prev_sampled: torch.Tensor | None = None,
@@ -83,28 +84,20 @@ def _flat_index(ids: list[torch.Tensor], rows: list[int], vocab: int, dev) -> to
 
 def _penalise(logits, seqs, prev_sampled, counts: PenaltyCounts):
     """As vLLM: a seen token's positive logit is divided by the repetition penalty, a negative one
-    multiplied; then the frequency penalty per output occurrence, the presence penalty once. Rows
-    without penalties read the zero row with penalties (1, 0, 0): the same bits."""
+    multiplied; then the frequency penalty per output occurrence, the presence penalty once
+    (ops.apply_penalties). Rows without penalties read the zero row with penalties (1, 0, 0):
+    the same bits."""
     vocab, dev = logits.shape[1], logits.device
     rows = counts.rows(seqs, vocab, dev)
     pending = [(i, s.sample_row) for i, s in enumerate(seqs) if s.num_pending_tokens and s.params.penalised]
     dst, src = zip(*pending) if pending else ((), ())
     new, upto = counts.new_tokens(seqs, rows)
     rows_d, new, dst, src, rep, freq, pres = host_to_device_many(
-        [(rows, torch.int64), (new, torch.int64), ([i * vocab for i in dst], torch.int64),
-         (src, torch.int64)] + [([getattr(s.params, name) for s in seqs], torch.float32)
-                                for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")], dev)
+        [(rows, torch.int64), (new, torch.int64), (dst, torch.int64), (src, torch.int64)]
+        + [([getattr(s.params, name) for s in seqs], torch.float32)
+           for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")], dev)
     counts.add(new, upto=upto)
-    seen_counts = counts.counts.index_select(0, rows_d)
+    tokens = torch.full((len(seqs),), -1, dtype=torch.int64, device=dev)
     if pending:     # the token still on the device, for this step only: the host adds it later
-        counts.add(dst + prev_sampled[src], into=seen_counts)
-    in_output = seen_counts > 0
-    if any(s.params.repetition_penalty != 1 for s in seqs):
-        seen = in_output if counts.in_prompt is None else in_output | counts.in_prompt.index_select(0, rows_d)
-        r = rep[:, None]
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    if any(s.params.frequency_penalty for s in seqs):
-        logits -= freq[:, None] * seen_counts
-    if any(s.params.presence_penalty for s in seqs):
-        logits -= pres[:, None] * in_output
-    return logits
+        tokens[dst] = prev_sampled[src]
+    return apply_penalties(logits.contiguous(), counts.counts, rows_d, counts.in_prompt, tokens, rep, freq, pres)

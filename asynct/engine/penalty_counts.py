@@ -47,11 +47,10 @@ class PenaltyCounts:
                 upto.append((row, seq.num_output_tokens))
         return (np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)), upto
 
-    def add(self, flat: torch.Tensor, into: torch.Tensor | None = None, upto=()):
-        """+1 at each flat index of `into` (the counts by default); repeats add up. `upto`:
-        new_tokens' rows, which hold their tokens from now on."""
-        into = self.counts if into is None else into
-        into.view(-1).index_add_(0, flat, self.ones(flat.shape[0]))
+    def add(self, flat: torch.Tensor, upto=()):
+        """+1 at each flat index of the counts; repeats add up. `upto`: new_tokens' rows, which
+        hold their tokens from now on."""
+        self.counts.view(-1).index_add_(0, flat, self.ones(flat.shape[0]))
         for row, n in upto:
             self.counted[row] = n
 

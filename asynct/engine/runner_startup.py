@@ -11,6 +11,7 @@ from asynct import ops
 from asynct.attention import StepInputs
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
+from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
 
@@ -85,7 +86,7 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
         without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        then the attention variants none can reach."""
+        then the attention variants none can reach, and the penalties' kernel."""
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -98,6 +99,7 @@ class RunnerStartup:
             self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
                                                   self.model.cos_sin_cache, write_kv=False)
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
+        warmup_penalties(self.config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

@@ -1,0 +1,75 @@
+"""What the repetition, frequency and presence penalties cost: whole generations at batch 1
+(ms a token) and 256 x 128 tokens (s), plain and penalised, and adjust_logits alone at 256
+rows of the model's vocabulary (us, CUDA events). The package under test is the `asynct`
+first on PYTHONPATH, so two commits compare in one call:
+
+    mkdir -p /tmp/old && git archive <commit> asynct | tar -x -C /tmp/old
+    PYTHONPATH=/tmp/old python3 benchmarks/penalties_bench.py old --model M
+    PYTHONPATH=. python3 benchmarks/penalties_bench.py new --model M"""
+import argparse
+import time
+
+import torch
+
+from asynct import LLM, SamplingParams
+
+CASES = {"plain": {}, "frequency + presence": dict(frequency_penalty=0.5, presence_penalty=0.3),
+         "repetition 1.2": dict(repetition_penalty=1.2)}
+
+
+def prompts(n, length, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(10, vocab, (length,), generator=g).tolist()} for _ in range(n)]
+
+
+def generate_s(llm, batch, tokens, params, vocab):
+    p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, **params)
+    llm.generate(prompts(batch, 128, vocab, 0), p, use_tqdm=False)     # warm
+    t0 = time.perf_counter()
+    llm.generate(prompts(batch, 128, vocab, 1), p, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def adjust_us(vocab, rows=256, reps=20):
+    """adjust_logits alone: 256 rows, each with 128 output tokens counted, frequency + presence
+    + repetition penalties, every row's counts kept from the step before."""
+    from asynct.engine.penalties import adjust_logits
+    from asynct.engine.penalty_counts import PenaltyCounts
+    from asynct.engine.sequence import Sequence
+    params = SamplingParams(temperature=0, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.3)
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(rows):
+        s = Sequence(i, str(i), 0, torch.randint(vocab, (128,), generator=g).tolist(), params, 16)
+        for t in torch.randint(vocab, (128,), generator=g).tolist():
+            s.append_token(t)
+        seqs.append(s)
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    counts = PenaltyCounts(rows_hint=rows + 1)
+    adjust_logits(logits, seqs, None, counts)
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        adjust_logits(logits, seqs, None, counts)
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) * 1e3 / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tag")
+    ap.add_argument("--model", required=True)
+    a = ap.parse_args()
+    llm = LLM(a.model, gpu_memory_utilization=0.45)
+    vocab = llm.llm_engine.config.vocab_size
+    print(f"{a.tag} | adjust_logits, 256 rows, all three penalties | {adjust_us(vocab):.0f} us", flush=True)
+    for name, params in CASES.items():
+        b1 = generate_s(llm, 1, 512, params, vocab) / 512 * 1e3
+        big = generate_s(llm, 256, 128, params, vocab)
+        print(f"{a.tag} | {name} | batch 1: {b1:.3f} ms a token | 256 x 128: {big:.3f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
