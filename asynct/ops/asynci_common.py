@@ -121,7 +121,8 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.c
     held keys (split_range). The lengths are read before the PDL wait (host-written, not the
     decode kernel's output), so the loop does not start one L2 round trip late (H200, batch 32:
     12.7 against 13.8 us a layer). Sixteen loads issued before the length was known were slower
-    still."""
+    still. The used splits load eight at a time, all eight in flight before the first add (one
+    at a time, batch 1 at 2,048 keys: 14.9 against 14.1 us a layer of QKV + decode + o_proj)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
@@ -129,8 +130,9 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.c
     _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
-    for s in range(used):   # a run-time count: one compiled kernel for every split count
-        acc += tl.load(row + s * D)
+    for c in range(tl.cdiv(used, 8)):   # a run-time count: one compiled kernel for every split count
+        for j in tl.static_range(8):    # past `used`: masked off, x + 0.0 is x
+            acc += tl.load(row + (c * 8 + j) * D, mask=c * 8 + j < used, other=0.0)
     tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
 
 
