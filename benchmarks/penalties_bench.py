@@ -31,7 +31,7 @@ def generate_s(llm, batch, tokens, params, vocab):
 
 
 def adjust_us(vocab, rows=256, reps=20):
-    """adjust_logits alone: 256 rows, each with 128 output tokens counted, frequency + presence
+    """adjust_logits alone: `rows` rows, each with 128 output tokens counted, frequency + presence
     + repetition penalties, every row's counts kept from the step before."""
     from asynct.engine.penalties import adjust_logits
     from asynct.engine.penalty_counts import PenaltyCounts
@@ -61,14 +61,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tag")
     ap.add_argument("--model", required=True)
+    ap.add_argument("--no-large", action="store_true", help="batch 1 only (no 256 x 128, no adjust_logits)")
     a = ap.parse_args()
     llm = LLM(a.model, gpu_memory_utilization=0.45)
     vocab = llm.llm_engine.config.vocab_size
-    print(f"{a.tag} | adjust_logits, 256 rows, all three penalties | {adjust_us(vocab):.0f} us", flush=True)
+    for rows in (1,) if a.no_large else (1, 256):
+        print(f"{a.tag} | adjust_logits, {rows} rows, all three penalties | {adjust_us(vocab, rows):.0f} us", flush=True)
     for name, params in CASES.items():
         b1 = generate_s(llm, 1, 512, params, vocab) / 512 * 1e3
-        big = generate_s(llm, 256, 128, params, vocab)
-        print(f"{a.tag} | {name} | batch 1: {b1:.3f} ms a token | 256 x 128: {big:.3f} s", flush=True)
+        big = "" if a.no_large else f" | 256 x 128: {generate_s(llm, 256, 128, params, vocab):.3f} s"
+        print(f"{a.tag} | {name} | batch 1: {b1:.3f} ms a token{big}", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,23 +28,34 @@ def chain_hash(prev_hash: bytes, token_ids) -> bytes:
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.block_size = block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # an insertion-ordered set: O(1) removal of a cached block that gets reused, and the
-        # oldest freed block is taken first, so recently freed prefixes stay cached longest
-        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.capacity = num_blocks
+        # made as first taken, in id order, before any freed one: a small model's cache on a big
+        # GPU is millions of blocks (a tiny one on an H200: 15M, 12 s and 4 GB of objects)
+        self.blocks: list[Block] = []
+        # the freed blocks, an insertion-ordered set: O(1) removal of a cached block that gets
+        # reused, and the oldest is taken first, so recently freed prefixes stay cached longest
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict()
         self.hash_to_block_id: dict[bytes, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.num_queries = self.num_hits = 0      # prefix-cache hit rate, in blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        return len(self.free_block_ids) + self.num_never_taken
+
+    @property
+    def num_never_taken(self) -> int:
+        return self.capacity - len(self.blocks)
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self.capacity
 
     def _take_free_block(self) -> Block:
+        if self.num_never_taken:
+            self.blocks.append(Block(len(self.blocks)))
+            self.blocks[-1].ref_count = 1
+            return self.blocks[-1]
         bid, _ = self.free_block_ids.popitem(last=False)
         block = self.blocks[bid]
         if block.hash and self.hash_to_block_id.get(block.hash) == block.block_id:
