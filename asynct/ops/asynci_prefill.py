@@ -13,14 +13,14 @@ Short prompts give few programs (one 512-token prompt: 32 for 132 SMs), so the l
 tile's key range over programs: AsyncI has no normalisation, so the partials of disjoint key
 ranges add (fp32, summed by asynci_common.sum_all_splits). A split recomputes the pool's halo,
 the P-1 scores left of its first key, as the decode kernel does."""
-import math
-from collections import namedtuple
-
 import torch
 
 from asynct.ops._triton import jit as _jit, pow2, tl, triton
 from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, load_kv_rows, scale_args,
                                       sm_count, split_output, sum_all_splits)
+# the plan, re-exported where benchmarks and tests have always found it
+from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, _block_m, _slice_keys,  # noqa: F401
+                                            _split_config, plan_prefill)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -169,54 +169,6 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
         raise ValueError("block_table must be [B, max_blocks] and sigma [Hq]")
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
-
-
-PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stages")
-
-# The only tile configs the launch plan picks. Enough query tiles: the 64-key tile, unsplit; too
-# few: 32-key tiles over key splits (H200, benchmarks/RESULTS.md: at 2K tokens 0.96 of SDPA flash
-# against 0.83 for 64-key tiles split alike; unsplit, 32-key tiles lose, 0.67-0.81). A pool wider
-# than 33 keys needs the 64-key tile split too. A 128-query tile lost on every shape.
-PREFILL_CONFIGS = (PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 32, 4, 2))
-MAX_SPLITS = 8
-MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one tile
-
-
-def _split_config(pool_size):
-    whole, split = PREFILL_CONFIGS
-    return split if pool_size - 1 <= split.block_n else whole
-
-
-def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132, pool_size=1):
-    """(config, splits) for a step, from host ints only (a plan never compiles anything the
-    warm-up did not): the whole-key config when the query tiles give two programs per SM, else
-    the split config with enough key splits that the longest program (all keys) takes no longer
-    than the average program's share of an SM, causal triangle and cached prefix counted."""
-    whole, split = PREFILL_CONFIGS[0], _split_config(pool_size)
-    g_pad = triton.next_power_of_2(group)
-    n_keys = max(max_seq_len or 0, max_query_len)
-    q_tiles = triton.cdiv(max_query_len, _block_m(whole.block_m, g_pad) // g_pad)
-    programs = batch * num_kv_heads * q_tiles
-    if programs >= 2 * sms:
-        return whole, 1
-    mean_keys = n_keys - max_query_len / 2       # a query tile sees its prefix + half the chunk
-    want = math.ceil(sms * n_keys / (programs * mean_keys))
-    by_len = max(1, n_keys // (MIN_SPLIT_TILES * split.block_n))
-    splits = max(1, min(want, by_len, MAX_SPLITS))
-    # the kernel rounds a slice up to whole key tiles, which can leave the last slices empty:
-    # count only those that hold keys (1 x 512: 5 slices of 128 keys, the fifth empty, ran
-    # 0.95x SDPA flash; 4 ran 1.07x, H200, benchmarks/RESULTS.md)
-    splits = triton.cdiv(n_keys, _slice_keys(n_keys, splits, split.block_n))
-    return (split, splits) if splits > 1 else (whole, 1)
-
-
-def _slice_keys(n_keys, splits, block_n):
-    """Keys of one split's slice, as _prefill_kernel cuts them (`per`)."""
-    return triton.cdiv(triton.cdiv(n_keys, splits), block_n) * block_n
-
-
-def _block_m(block_m, g_pad):
-    return max(block_m, 16 * g_pad if g_pad <= 8 else g_pad)  # >= 16 query tokens a tile
 
 
 def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
