@@ -122,7 +122,8 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.c
     decode kernel's output), so the loop does not start one L2 round trip late (H200, batch 32:
     12.7 against 13.8 us a layer). Sixteen loads issued before the length was known were slower
     still. The used splits load eight at a time, all eight in flight before the first add (one
-    at a time, batch 1 at 2,048 keys: 14.9 against 14.1 us a layer of QKV + decode + o_proj)."""
+    at a time, batch 1 at 2,048 keys: 14.7-15.2 against 13.8-14.1 us a layer of QKV + decode +
+    o_proj; H200, benchmarks/RESULTS.md)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, D)
