@@ -12,6 +12,7 @@ CUDA graph captured for long contexts does (more splits than the context fills).
 (batch 64) the projections run unfused (cuBLAS + the elementwise ops), without the KV store."""
 import argparse
 import importlib
+from types import SimpleNamespace
 
 import torch
 from kernels import bench
@@ -34,26 +35,39 @@ def layers(b, gen):
             for _ in range(LAYERS)]
 
 
-def chain_us(b, max_len, parts):
+def chain_inputs(b):
+    """A chain's layers and its step's tensors, batch b at CONTEXT keys (the last one this step's)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     stack = layers(b, gen)
     q = torch.randn(b, HQ, D, device="cuda", dtype=BF, generator=gen)
     x = torch.randn(b, C, device="cuda", dtype=BF, generator=gen)
-    sigma, out = torch.randn(HQ, device="cuda", generator=gen), torch.empty_like(q)
-    one, ones = torch.ones(C, device="cuda", dtype=BF), torch.ones(D, device="cuda")
-    cos_sin = rope_cos_sin_cache(D, 4096).cuda()
-    pos = torch.full((b,), CONTEXT - 1, device="cuda", dtype=torch.int64)
-    slots = torch.arange(b, device="cuda") * (CONTEXT // BS + 1) * BS + CONTEXT - 1
+    return SimpleNamespace(
+        stack=stack, q=q, x=x, sigma=torch.randn(HQ, device="cuda", generator=gen), out=torch.empty_like(q),
+        one=torch.ones(C, device="cuda", dtype=BF), ones=torch.ones(D, device="cuda"),
+        cos_sin=rope_cos_sin_cache(D, 4096).cuda(), pos=torch.full((b,), CONTEXT - 1, device="cuda", dtype=torch.int64),
+        slots=torch.arange(b, device="cuda") * (CONTEXT // BS + 1) * BS + CONTEXT - 1)
+
+
+def qkv(t, layer):
+    fl.linear_qk_norm_rope(t.x, layer["w_qkv"], t.pos, HQ, HKV, t.ones, t.ones, t.ones, t.ones, t.cos_sin,
+                           layer["cache"], t.slots)
+
+
+def decode(t, layer, max_len):
+    dec.asynci_decode_triton(t.q, layer["cache"], layer["table"], layer["lens"], t.sigma, D ** -0.5, 3, True,
+                             t.out, max_seq_len=max_len)
+
+
+def chain_us(b, max_len, parts):
+    t = chain_inputs(b)
 
     def step():
-        for layer in stack:
+        for layer in t.stack:
             if "qkv" in parts:
-                fl.linear_qk_norm_rope(x, layer["w_qkv"], pos, HQ, HKV, ones, ones, ones, ones, cos_sin,
-                                       layer["cache"], slots)
-            dec.asynci_decode_triton(q, layer["cache"], layer["table"], layer["lens"], sigma, D ** -0.5, 3,
-                                     True, out, max_seq_len=max_len)
+                qkv(t, layer)
+            decode(t, layer, max_len)
             if "o" in parts:
-                fl.linear_dyht_add(out.view(b, -1), layer["w_o"], x, one, one)
+                fl.linear_dyht_add(t.out.view(b, -1), layer["w_o"], t.x, t.one, t.one)
     return bench([step]) / LAYERS * 1e6
 
 

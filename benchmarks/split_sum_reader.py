@@ -16,11 +16,9 @@ from asynct.ops import asynci_common as ac
 from asynct.ops import fused_linear as fl
 from asynct.ops._triton import jit, pdl_args, wait_for_prior
 from asynct.ops.asynci_common import split_range
-from asynct.ops.rope import rope_cos_sin_cache
 
 dec = importlib.import_module("asynct.ops.asynci_decode")
-BF = torch.bfloat16
-HQ, HKV, D, BS, C = dc.HQ, dc.HKV, dc.D, dc.BS, dc.C
+HQ, D, C = dc.HQ, dc.D, dc.C
 
 
 @jit(do_not_specialize=["S"])
@@ -75,35 +73,25 @@ def keep_partials(dst, out, splits, lens):
 
 def chain_us(b, context, max_len, variant, rows=8):
     dc.CONTEXT = context
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    stack = dc.layers(b, gen)
-    q = torch.randn(b, HQ, D, device="cuda", dtype=BF, generator=gen)
-    x = torch.randn(b, C, device="cuda", dtype=BF, generator=gen)
-    sigma, out = torch.randn(HQ, device="cuda", generator=gen), torch.empty_like(q)
-    one, ones = torch.ones(C, device="cuda", dtype=BF), torch.ones(D, device="cuda")
-    cos_sin = rope_cos_sin_cache(D, 8192).cuda()
-    pos = torch.full((b,), context - 1, device="cuda", dtype=torch.int64)
-    slots = torch.arange(b, device="cuda") * (context // BS + 1) * BS + context - 1
-    outs = [(torch.empty_like(x), torch.empty_like(x)) for _ in stack]
+    t = dc.chain_inputs(b)
+    outs = [(torch.empty_like(t.x), torch.empty_like(t.x)) for _ in t.stack]
     results = []
     ac._sum_splits_kernel = sum_one_at_a_time_kernel if variant == "one at a time" else ORIG_SUM
     dec.sum_splits = keep_partials if variant == "reader" else ac.sum_splits
 
     def step():
         results.clear()
-        for layer, (hid, nrm) in zip(stack, outs):
-            fl.linear_qk_norm_rope(x, layer["w_qkv"], pos, HQ, HKV, ones, ones, ones, ones, cos_sin,
-                                   layer["cache"], slots)
-            dec.asynci_decode_triton(q, layer["cache"], layer["table"], layer["lens"], sigma, D ** -0.5, 3,
-                                     True, out, max_seq_len=max_len)
+        for layer, (hid, nrm) in zip(t.stack, outs):
+            dc.qkv(t, layer)
+            dc.decode(t, layer, max_len)
             if variant == "reader" and PARTIALS["splits"] > 1:
                 s = PARTIALS["splits"]
-                oproj_partials_kernel[(C // rows,)](PARTIALS["dst"], layer["lens"], s, layer["w_o"], x, hid, nrm,
-                                                    one, one, K=HQ * D, D=D, BLOCK_N=rows, SPLIT_N=64, SC=8,
-                                                    num_warps=4, **pdl_args(x))
+                oproj_partials_kernel[(C // rows,)](PARTIALS["dst"], layer["lens"], s, layer["w_o"], t.x, hid, nrm,
+                                                    t.one, t.one, K=HQ * D, D=D, BLOCK_N=rows, SPLIT_N=64, SC=8,
+                                                    num_warps=4, **pdl_args(t.x))
                 results.append((hid, nrm))
             else:
-                results.append(fl.linear_dyht_add(out.view(b, -1), layer["w_o"], x, one, one))
+                results.append(fl.linear_dyht_add(t.out.view(b, -1), layer["w_o"], t.x, t.one, t.one))
     t = bench([step]) / dc.LAYERS * 1e6
     step()
     torch.cuda.synchronize()
