@@ -233,11 +233,12 @@ def test_penalties_kernel_equals_its_reference_bit_for_bit(marks):
     if marks:
         in_prompt[0] = False
     rows = torch.tensor([0, 1, 2, 2, 3, 4, 1])
-    pending = torch.tensor([-1, 7, v - 1, -1, 0, 3, BLOCK])
+    sampled = torch.tensor([9, 7, v - 1, 0, 3, BLOCK])       # the step before's samples
+    pending = torch.tensor([-1, 1, 2, -1, 3, 4, 5])         # rows of `sampled`
     rep = torch.tensor([1.0, 1.3, 0.7, 1.0, 2.1, 1.25, 1.0])
     freq = torch.tensor([0.0, 0.1, -0.7, 0.3, 0.0, 1.9, 0.0])
     pres = torch.tensor([0.0, -1.3, 0.0, 0.3, 0.7, 0.0, 0.1])
-    args = (counts, rows, in_prompt, pending, rep, freq, pres)
+    args = (counts, rows, in_prompt, pending, sampled, rep, freq, pres)
     want = apply_penalties_ref(logits.clone(), *args)
     got = on_dev(apply_penalties_triton, logits.clone(), *args)
 
@@ -246,3 +247,8 @@ def test_penalties_kernel_equals_its_reference_bit_for_bit(marks):
     assert all(torch.equal(a, b) for a, b in zip(bits(got), bits(want)))
     assert not torch.equal(bits(want)[1], bits(logits)[1])
     assert torch.equal(bits(want[0])[1], bits(logits[0])[1])    # a neutral row on the zero row keeps its bits
+    none = (counts, rows, in_prompt, torch.full_like(pending, -1), None, rep, freq, pres)    # synchronous steps
+    want_none = apply_penalties_ref(logits.clone(), *none)
+    assert all(torch.equal(a, b) for a, b in zip(bits(on_dev(apply_penalties_triton, logits.clone(), *none)),
+                                                  bits(want_none)))
+    assert not torch.equal(bits(want_none)[1], bits(want)[1])   # the pending tokens counted

@@ -89,15 +89,14 @@ def _penalise(logits, seqs, prev_sampled, counts: PenaltyCounts):
     the same bits."""
     vocab, dev = logits.shape[1], logits.device
     rows = counts.rows(seqs, vocab, dev)
-    pending = [(i, s.sample_row) for i, s in enumerate(seqs) if s.num_pending_tokens and s.params.penalised]
-    dst, src = zip(*pending) if pending else ((), ())
+    # each row's token still on the device, for this step only (the host adds it later): its
+    # row of prev_sampled, read by the kernel; -1: none
+    pending = [s.sample_row if s.num_pending_tokens and s.params.penalised else -1 for s in seqs]
     new, upto = counts.new_tokens(seqs, rows)
-    rows_d, new, dst, src, rep, freq, pres = host_to_device_many(
-        [(rows, torch.int64), (new, torch.int64), (dst, torch.int64), (src, torch.int64)]
+    rows_d, new, pending, rep, freq, pres = host_to_device_many(
+        [(rows, torch.int64), (new, torch.int64), (pending, torch.int64)]
         + [([getattr(s.params, name) for s in seqs], torch.float32)
            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")], dev)
     counts.add(new, upto=upto)
-    tokens = torch.full((len(seqs),), -1, dtype=torch.int64, device=dev)
-    if pending:     # the token still on the device, for this step only: the host adds it later
-        tokens[dst] = prev_sampled[src]
-    return apply_penalties(logits.contiguous(), counts.counts, rows_d, counts.in_prompt, tokens, rep, freq, pres)
+    return apply_penalties(logits.contiguous(), counts.counts, rows_d, counts.in_prompt, pending, prev_sampled,
+                           rep, freq, pres)
