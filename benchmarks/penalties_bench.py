@@ -7,6 +7,7 @@ first on PYTHONPATH, so two commits compare in one call:
     PYTHONPATH=/tmp/old python3 benchmarks/penalties_bench.py old --model M
     PYTHONPATH=. python3 benchmarks/penalties_bench.py new --model M"""
 import argparse
+import os
 import time
 
 import torch
@@ -23,22 +24,24 @@ def prompts(n, length, vocab, seed):
 
 
 def generate_s(llm, batch, tokens, params, vocab, reps=3):
-    """The fastest of `reps` timed generations after a warm one: a single slow run does not stand
-    for the process (the fourteenth session timed one a process, and old's batch-1 repetition
-    runs differed by 13 % between processes)."""
+    """(wall s, this process's CPU s) of the fastest of `reps` timed generations after a warm one:
+    a single slow run does not stand for the process (the fourteenth session timed one a process,
+    and old's batch-1 repetition runs differed by 13 % between processes). CPU time below wall time
+    means the host thread waited (on the GPU, or on a busy host)."""
     p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, **params)
     llm.generate(prompts(batch, 128, vocab, 0), p, use_tqdm=False)     # warm
     times = []
     for rep in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         llm.generate(prompts(batch, 128, vocab, 1 + rep), p, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0, time.process_time() - c0))
     return min(times)
 
 
 def adjust_us(vocab, rows=256, reps=20):
-    """adjust_logits alone: `rows` rows, each with 128 output tokens counted, frequency + presence
-    + repetition penalties, every row's counts kept from the step before."""
+    """adjust_logits alone (us a call: the device's, and the host's): `rows` rows, each with 128
+    output tokens counted, frequency + presence + repetition penalties, every row's counts kept
+    from the step before. Device time near host time means the host is what limits it."""
     from asynct.engine.penalties import adjust_logits
     from asynct.engine.penalty_counts import PenaltyCounts
     from asynct.engine.sequence import Sequence
@@ -56,11 +59,13 @@ def adjust_us(vocab, rows=256, reps=20):
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     e0.record()
+    t0 = time.perf_counter()
     for _ in range(reps):
         adjust_logits(logits, seqs, None, counts)
+    host = time.perf_counter() - t0     # the host's own time: no wait inside the loop
     e1.record()
     e1.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / reps
+    return e0.elapsed_time(e1) * 1e3 / reps, host * 1e6 / reps
 
 
 def main():
@@ -72,11 +77,14 @@ def main():
     llm = LLM(a.model, gpu_memory_utilization=0.45)
     vocab = llm.llm_engine.config.vocab_size
     for rows in (1,) if a.no_large else (1, 256):
-        print(f"{a.tag} | adjust_logits, {rows} rows, all three penalties | {adjust_us(vocab, rows):.0f} us", flush=True)
+        dev_us, host_us = adjust_us(vocab, rows)
+        print(f"{a.tag} | adjust_logits, {rows} rows, all three penalties | {dev_us:.0f} us (host {host_us:.0f})",
+              flush=True)
+    print(f"{a.tag} | load average {os.getloadavg()[0]:.2f}", flush=True)
     for name, params in CASES.items():
-        b1 = generate_s(llm, 1, 512, params, vocab) / 512 * 1e3
-        big = "" if a.no_large else f" | 256 x 128: {generate_s(llm, 256, 128, params, vocab):.3f} s"
-        print(f"{a.tag} | {name} | batch 1: {b1:.3f} ms a token{big}", flush=True)
+        wall, cpu = (t / 512 * 1e3 for t in generate_s(llm, 1, 512, params, vocab))
+        big = "" if a.no_large else f" | 256 x 128: {generate_s(llm, 256, 128, params, vocab)[0]:.3f} s"
+        print(f"{a.tag} | {name} | batch 1: {wall:.3f} ms a token (CPU {cpu:.3f}){big}", flush=True)
 
 
 if __name__ == "__main__":

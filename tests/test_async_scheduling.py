@@ -132,10 +132,10 @@ def test_one_copy_keeps_every_part_16_byte_aligned():
     from asynct.attention.base import host_to_device_many
     parts = [([1, 2, 3], torch.int32), ([], torch.int64), (np.arange(6, dtype=np.int32).reshape(2, 3), torch.int32),
              ([2**40, -1], torch.int64), ([0.5, -1.25, 3.0], torch.float32), ([True, False, True], torch.bool),
-             ([7], torch.int32)]
+             ([7], torch.int32), (np.arange(12, dtype=np.int64).reshape(3, 4)[:, 1:], torch.int64)]
     out = host_to_device_many(parts, torch.device("cpu"))
     for (data, dtype), t in zip(parts, out):
-        assert t.dtype == dtype and t.tolist() == np.asarray(data).tolist()
+        assert t.dtype == dtype and t.shape == np.asarray(data).shape and t.tolist() == np.asarray(data).tolist()
         assert t.storage_offset() * t.element_size() % 16 == 0
 
 
