@@ -73,6 +73,7 @@ def main():
     ap.add_argument("tag")
     ap.add_argument("--model", required=True)
     ap.add_argument("--no-large", action="store_true", help="batch 1 only (no 256 x 128, no adjust_logits)")
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
     a = ap.parse_args()
     llm = LLM(a.model, gpu_memory_utilization=0.45)
     vocab = llm.llm_engine.config.vocab_size
@@ -81,7 +82,8 @@ def main():
         print(f"{a.tag} | adjust_logits, {rows} rows, all three penalties | {dev_us:.0f} us (host {host_us:.0f})",
               flush=True)
     print(f"{a.tag} | load average {os.getloadavg()[0]:.2f}", flush=True)
-    for name, params in CASES.items():
+    for name in a.cases.split(","):
+        params = CASES[name]
         wall, cpu = (t / 512 * 1e3 for t in generate_s(llm, 1, 512, params, vocab))
         big = "" if a.no_large else f" | 256 x 128: {generate_s(llm, 256, 128, params, vocab)[0]:.3f} s"
         print(f"{a.tag} | {name} | batch 1: {wall:.3f} ms a token (CPU {cpu:.3f}){big}", flush=True)
