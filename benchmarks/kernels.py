@@ -1,7 +1,8 @@
 """Kernel timings on the GPU against the device's copy bandwidth and torch SDPA, measured in
 the same run. Seed-model shapes: 8 query / 4 KV heads of 128, bf16, hidden 1024, inter 3072.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [elementwise] [decode] [prefill] [--sweep]   (default: all three)
+    PYTHONPATH=. python3 benchmarks/kernels.py [elementwise] [decode] [prefill] [--sweep] [--no-cuda]
+    (default: all three)
 
 Each timing replays a CUDA graph that runs the op once on each of several input sets, so the
 inputs together are several times the 60 MB L2 (every op reads HBM) and launch gaps are the
@@ -88,7 +89,8 @@ def paged(b, t, gen):
 def decode(copy_bw, sweep):
     gen = torch.Generator("cuda").manual_seed(0)
     sigma = torch.randn(HQ, device="cuda")
-    have_cuda = cuda_ext.load_extension() is not None
+    # --no-cuda: no CUDA decode row, and no minute's build of the extension on a fresh machine
+    have_cuda = "--no-cuda" not in sys.argv and cuda_ext.load_extension() is not None
     for b in (1, 32, 256):
         for t in (1024, 4096):
             nbytes, flops = 2 * b * t * HKV * D * 2, 4 * b * HQ * t * D

@@ -7,7 +7,9 @@ first on PYTHONPATH, so two commits compare in one call:
     PYTHONPATH=/tmp/old python3 benchmarks/penalties_bench.py old --model M
     PYTHONPATH=. python3 benchmarks/penalties_bench.py new --model M"""
 import argparse
+import cProfile
 import os
+import pstats
 import time
 
 import torch
@@ -68,15 +70,31 @@ def adjust_us(vocab, rows=256, reps=20):
     return e0.elapsed_time(e1) * 1e3 / reps, host * 1e6 / reps
 
 
+def profile(llm, cases, vocab, tokens=512, top=22):
+    """Where a batch-1 generation's host time goes: the `top` functions by own time (the profiler
+    slows the host, so steps bound by the host run longer than unprofiled)."""
+    for name in cases:
+        p = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, **CASES[name])
+        llm.generate(prompts(1, 128, vocab, 0), p, use_tqdm=False)     # warm
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.runcall(llm.generate, prompts(1, 128, vocab, 1), p, use_tqdm=False)
+        print(f"=== {name}: {(time.perf_counter() - t0) / tokens * 1e3:.3f} ms a token under cProfile", flush=True)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tag")
     ap.add_argument("--model", required=True)
     ap.add_argument("--no-large", action="store_true", help="batch 1 only (no 256 x 128, no adjust_logits)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated names of CASES")
+    ap.add_argument("--profile", action="store_true", help="cProfile one batch-1 generation a case instead")
     a = ap.parse_args()
     llm = LLM(a.model, gpu_memory_utilization=0.45)
     vocab = llm.llm_engine.config.vocab_size
+    if a.profile:
+        return profile(llm, a.cases.split(","), vocab)
     for rows in (1,) if a.no_large else (1, 256):
         dev_us, host_us = adjust_us(vocab, rows)
         print(f"{a.tag} | adjust_logits, {rows} rows, all three penalties | {dev_us:.0f} us (host {host_us:.0f})",

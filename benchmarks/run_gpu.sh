@@ -8,6 +8,9 @@
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# .whl (not in git): wheels of what the server needs and the device image lacks (fastapi, starlette,
+# uvicorn, pydantic, pydantic_core, openai, jiter, annotated-types, typing-inspection, distro,
+# sniffio, and opentelemetry-api, which fastapi 0.165 imports)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
