@@ -1,0 +1,116 @@
+"""A prototype for issue 13's batch-1 target: one token's MLP (gate/up + ReGLU, down + residual
++ the next DyHT) of all 35 layers as ONE persistent CUDA kernel whose phases meet at grid
+barriers (persistent_mlp.cu), against the engine's two fused Triton kernels a layer (PDL
+between them), bench-0.6b's shapes (hidden 1024, MLP 3072, bf16, random weights), graph-timed.
+Prints us a layer, bandwidth against the copy roofline, and the ratio to the engine's kernels;
+first it checks both against each other after 1 and 35 layers.
+
+    PYTHONPATH=. python3 benchmarks/persistent_mlp.py          (CUDA + nvcc; ~10 s to build)
+
+Written in the fifteenth session and only compiled there (nvcc, sm_90a: 186 registers, no
+spills): not yet run on a GPU. Not part of the engine: it covers one token and these shapes only. If a layer's MLP runs
+well under the engine's ~10 us here, attention and the projections around it are the next
+phases to move into the same kernel."""
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+
+import torch
+from kernels import bench, copy_bandwidth
+
+from asynct.ops import fused_linear as fl
+
+H, I, LAYERS = 1024, 3072, 35
+BF = torch.bfloat16
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "persistent_mlp.cu")
+
+
+def build():
+    """The kernel as a shared library (nvcc, cached by source digest), through ctypes."""
+    major, minor = torch.cuda.get_device_capability()
+    arch = f"sm_{major}{minor}" + ("a" if (major, minor) == (9, 0) else "")
+    src = open(SRC, "rb").read()
+    so = os.path.join(tempfile.gettempdir(), f"persistent_mlp_{hashlib.sha1(src + arch.encode()).hexdigest()[:12]}.so")
+    if not os.path.exists(so):
+        subprocess.run(["nvcc", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", so, SRC], check=True)
+    lib = ctypes.CDLL(so)
+    lib.persistent_mlp.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    lib.persistent_mlp.restype = ctypes.c_int
+    lib.persistent_mlp_blocks.restype = ctypes.c_int
+    return lib
+
+
+class State:
+    def __init__(self, gen):
+        self.w_gu = (torch.randn(LAYERS, 2 * I, H, device="cuda", generator=gen) * 0.02).to(BF)
+        self.w_d = (torch.randn(LAYERS, H, I, device="cuda", generator=gen) * 0.02).to(BF)
+        self.alpha = 0.5 + torch.rand(LAYERS, H, device="cuda", generator=gen)
+        self.dyw = torch.randn(LAYERS, H, device="cuda", generator=gen)
+        self.m0 = torch.randn(H, device="cuda", generator=gen).clamp(-1, 1).to(BF)
+        self.r0 = torch.randn(H, device="cuda", generator=gen).to(BF)
+        self.m, self.residual = self.m0.clone(), self.r0.clone()
+        self.act = torch.empty(I, device="cuda", dtype=BF)
+        self.bar = torch.zeros(2, device="cuda", dtype=torch.int32)
+
+    def reset(self):
+        self.m.copy_(self.m0)
+        self.residual.copy_(self.r0)
+
+
+def persistent(lib, s, first, last, blocks, cooperative=False):
+    ptrs = [t.data_ptr() for t in (s.w_gu, s.w_d, s.alpha, s.dyw, s.m, s.residual, s.act, s.bar)]
+    rc = lib.persistent_mlp(*ptrs, first, last, blocks, int(cooperative), torch.cuda.current_stream().cuda_stream)
+    if rc:
+        raise RuntimeError(f"persistent_mlp launch failed: cudaError {rc}")
+
+
+def engine_layers(s, m, r, layers):
+    """The engine's decode path at one token: linear_reglu, then linear_dyht_add (fused Triton)."""
+    for layer in layers:
+        act = fl.linear_reglu(m.view(1, H), s.w_gu[layer])
+        r, m = fl.linear_dyht_add(act, s.w_d[layer], r.view(1, H), s.alpha[layer], s.dyw[layer])
+    return r.view(H), m.view(H)
+
+
+def check(lib, s, blocks):
+    """Worst |persistent - engine| / (1 + |engine|) of (residual, m) after 1 and all layers."""
+    out = []
+    for last in (1, LAYERS):
+        s.reset()
+        persistent(lib, s, 0, last, blocks, cooperative=True)
+        r, m = engine_layers(s, s.m0, s.r0, range(last))
+        torch.cuda.synchronize()
+        err = max(((got.float() - want.float()).abs() / (1 + want.float().abs())).max().item()
+                  for got, want in ((s.residual, r), (s.m, m)))
+        out.append(err)
+    return out
+
+
+def main():
+    lib = build()
+    blocks = lib.persistent_mlp_blocks()
+    if not blocks:
+        raise SystemExit("the kernel cannot keep one block on every SM")
+    s = State(torch.Generator(device="cuda").manual_seed(0))
+    one, all_ = check(lib, s, blocks)
+    print(f"{torch.cuda.get_device_name()}, {blocks} blocks; persistent vs engine, worst scaled difference: "
+          f"1 layer {one:.2e}, {LAYERS} layers {all_:.2e}", flush=True)
+    copy_bw = copy_bandwidth()
+    nbytes = 3 * H * I * 2                      # one layer's MLP weights
+    s.reset()
+    peer = bench([lambda: engine_layers(s, s.m, s.residual, range(LAYERS))]) / LAYERS
+    variants = {"engine: linear_reglu + linear_dyht_add (Triton, PDL)": peer,
+                "persistent, one launch for 35 layers": bench([lambda: persistent(lib, s, 0, LAYERS, blocks)]) / LAYERS,
+                "persistent, one launch a layer": bench([lambda: [persistent(lib, s, i, i + 1, blocks)
+                                                                  for i in range(LAYERS)]]) / LAYERS}
+    print(f"copy bandwidth {copy_bw:.2f} TB/s; one layer's MLP weights {nbytes / 1e6:.1f} MB "
+          f"(roofline {nbytes / copy_bw / 1e6:.2f} us)")
+    print("variant | us a layer | TB/s | x copy | engine / this")
+    for name, t in variants.items():
+        print(f"{name} | {t * 1e6:.2f} | {nbytes / t / 1e12:.2f} | {nbytes / t / 1e12 / copy_bw:.2f} | {peer / t:.2f}")
+
+
+if __name__ == "__main__":
+    main()
