@@ -247,8 +247,9 @@ def test_penalties_kernel_equals_its_reference_bit_for_bit(marks):
     assert all(torch.equal(a, b) for a, b in zip(bits(got), bits(want)))
     assert not torch.equal(bits(want)[1], bits(logits)[1])
     assert torch.equal(bits(want[0])[1], bits(logits[0])[1])    # a neutral row on the zero row keeps its bits
-    none = (counts, rows, in_prompt, torch.full_like(pending, -1), None, rep, freq, pres)    # synchronous steps
-    want_none = apply_penalties_ref(logits.clone(), *none)
-    assert all(torch.equal(a, b) for a, b in zip(bits(on_dev(apply_penalties_triton, logits.clone(), *none)),
-                                                  bits(want_none)))
-    assert not torch.equal(bits(want_none)[1], bits(want)[1])   # the pending tokens counted
+    for marked in (torch.full_like(pending, -1), pending):      # no samples: no pending token counts
+        none = (counts, rows, in_prompt, marked, None, rep, freq, pres)
+        want_none = apply_penalties_ref(logits.clone(), *none)
+        assert all(torch.equal(a, b) for a, b in zip(bits(on_dev(apply_penalties_triton, logits.clone(), *none)),
+                                                      bits(want_none)))
+        assert not torch.equal(bits(want_none)[1], bits(want)[1])   # the pending tokens counted

@@ -31,16 +31,16 @@ def apply_penalties_ref(logits, counts, rows, in_prompt, pending, sampled, rep, 
     return logits
 
 
-@_jit(do_not_specialize=["has_prompt"])
-def _penalties_kernel(logits_ptr, counts_ptr, rows_ptr, prompt_ptr, has_prompt, pending_ptr, sampled_ptr, rep_ptr,
-                      freq_ptr, pres_ptr, V, BLOCK: tl.constexpr):
+@_jit(do_not_specialize=["has_prompt", "has_sampled"])
+def _penalties_kernel(logits_ptr, counts_ptr, rows_ptr, prompt_ptr, has_prompt, pending_ptr, sampled_ptr,
+                      has_sampled, rep_ptr, freq_ptr, pres_ptr, V, BLOCK: tl.constexpr):
     i = tl.program_id(0)
     v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = v < V
     row = tl.load(rows_ptr + i) * V
     x = tl.load(logits_ptr + i.to(tl.int64) * V + v, mask=mask, other=0.0)
     src = tl.load(pending_ptr + i)
-    token = tl.load(sampled_ptr + tl.maximum(src, 0), mask=src >= 0, other=-1)
+    token = tl.load(sampled_ptr + tl.maximum(src, 0), mask=(src >= 0) & (has_sampled != 0), other=-1)
     c = tl.load(counts_ptr + row + v, mask=mask, other=0) + (v == token).to(tl.int32)
     in_output = c > 0
     seen = in_output | (tl.load(prompt_ptr + row + v, mask=mask & (has_prompt != 0), other=0) != 0)
@@ -58,14 +58,15 @@ def apply_penalties_triton(logits, counts, rows, in_prompt, pending, sampled, re
         prompt = counts.view(torch.uint8) if in_prompt is None else in_prompt.view(torch.uint8)
         # unfused products and differences, as torch's ops round them (no FMA)
         _penalties_kernel[(r, triton.cdiv(v, BLOCK))](logits, counts, rows, prompt, int(in_prompt is not None),
-                                                     pending, pending if sampled is None else sampled, rep, freq,
-                                                     pres, v, BLOCK=BLOCK, num_warps=4, enable_fp_fusion=False)
+                                                     pending, pending if sampled is None else sampled,
+                                                     int(sampled is not None), rep, freq, pres, v, BLOCK=BLOCK,
+                                                     num_warps=4, enable_fp_fusion=False)
     return logits
 
 
 def apply_penalties(logits, counts, rows, in_prompt, pending, sampled, rep, freq, pres):
     """`logits` fp32 [R, V], contiguous, changed in place and returned; rows, pending int64 [R];
-    sampled int64 (None where no row has a pending token); rep, freq, pres fp32 [R]."""
+    sampled int64 (None: no pending token counts, whatever `pending` says); rep, freq, pres fp32 [R]."""
     if logits.dtype != torch.float32 or not logits.is_contiguous() or counts.shape[1] != logits.shape[1]:
         raise ValueError(f"penalties need contiguous fp32 logits [R, {counts.shape[1]}], got "
                          f"{tuple(logits.shape)} {logits.dtype}")
