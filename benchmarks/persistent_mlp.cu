@@ -7,8 +7,8 @@
 //
 // One block per SM (a cooperative launch guarantees they are all resident), 8 warps; a warp
 // owns whole weight rows and reduces them with shuffles. bf16 weights and activations, fp32
-// sums; rounding as asynct's fused kernels round (act = bf16(relu(g) * u) from fp32 g, u;
-// hidden = bf16(residual + acc); normed = bf16(w * clamp(a * hidden, -1, 1))).
+// sums rounded to bf16 as asynct's fused kernels round their accumulators, then act =
+// bf16(relu(g) * u), hidden = bf16(residual + acc), normed = bf16(w * clamp(a * hidden, -1, 1)).
 // Plain CUDA, no torch headers: nvcc alone builds it into a shared library (ctypes calls it).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -39,17 +39,23 @@ __device__ __forceinline__ uint4 ld_stream(const __nv_bfloat16* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
-__device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+// 8 products of a weight piece and the matching activation piece (bf16 in shared memory: one
+// 16-byte read a lane, adjacent lanes adjacent, no bank conflict), fp32 sums.
+__device__ __forceinline__ float dot8(const uint4& w, const __nv_bfloat16* x) {
+  const uint4 xv = *reinterpret_cast<const uint4*>(x);
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&w);
+  const __nv_bfloat162* v = reinterpret_cast<const __nv_bfloat162*>(&xv);
   float s = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    float2 f = __bfloat1622float2(h[i]);
-    s = fmaf(f.x, x[2 * i], s);
-    s = fmaf(f.y, x[2 * i + 1], s);
+    const float2 f = __bfloat1622float2(h[i]), g = __bfloat1622float2(v[i]);
+    s = fmaf(f.x, g.x, s);
+    s = fmaf(f.y, g.y, s);
   }
   return s;
 }
+
+__device__ __forceinline__ float round_bf16(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
 __device__ __forceinline__ float warp_sum(float s) {
 #pragma unroll
@@ -78,19 +84,11 @@ __device__ __forceinline__ void grid_barrier(unsigned int* bar) {
   __syncthreads();
 }
 
-// n bf16 (written by other blocks before the barrier) into shared memory as fp32, by the whole
-// block; __ldcg reads L2, where those writes are, never a stale line of this SM's L1.
-__device__ __forceinline__ void stage(const __nv_bfloat16* src, float* dst, int n) {
-  for (int i = threadIdx.x * 8; i < n; i += kThreads * 8) {
-    uint4 u = __ldcg(reinterpret_cast<const uint4*>(src + i));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float2 f = __bfloat1622float2(h[j]);
-      dst[i + 2 * j] = f.x;
-      dst[i + 2 * j + 1] = f.y;
-    }
-  }
+// n bf16 (written by other blocks before the barrier) into shared memory, by the whole block;
+// __ldcg reads L2, where those writes are, never a stale line of this SM's L1.
+__device__ __forceinline__ void stage(const __nv_bfloat16* src, __nv_bfloat16* dst, int n) {
+  for (int i = threadIdx.x * 8; i < n; i += kThreads * 8)
+    *reinterpret_cast<uint4*>(dst + i) = __ldcg(reinterpret_cast<const uint4*>(src + i));
   __syncthreads();
 }
 
@@ -106,7 +104,7 @@ __device__ __forceinline__ void load_gate_up(const __nv_bfloat16* w, int j, int 
   }
 }
 
-__device__ __forceinline__ void finish_gate_up(const GateUp& r, const float* xs, int j, int lane,
+__device__ __forceinline__ void finish_gate_up(const GateUp& r, const __nv_bfloat16* xs, int j, int lane,
                                                __nv_bfloat16* act) {
   float g = 0.f, u = 0.f;
 #pragma unroll
@@ -114,8 +112,8 @@ __device__ __forceinline__ void finish_gate_up(const GateUp& r, const float* xs,
     g += dot8(r.g[c], xs + c * 256 + lane * 8);
     u += dot8(r.u[c], xs + c * 256 + lane * 8);
   }
-  g = warp_sum(g);
-  u = warp_sum(u);
+  g = round_bf16(warp_sum(g));
+  u = round_bf16(warp_sum(u));
   if (lane == 0) act[j] = __float2bfloat16_rn(fmaxf(g, 0.f) * u);
 }
 
@@ -129,7 +127,7 @@ __device__ __forceinline__ void load_down(const __nv_bfloat16* w, int n, int lan
 }
 
 __global__ void __launch_bounds__(kThreads, 1) persistent_mlp_kernel(Args a) {
-  __shared__ float xs[kI];  // the phase's input vector (m: kH, act: kI), fp32
+  __shared__ __align__(16) __nv_bfloat16 xs[kI];  // the phase's input vector (m: kH, act: kI)
   const int lane = threadIdx.x % 32;
   const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
   GateUp first;
@@ -158,9 +156,9 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_mlp_kernel(Args a) {
       float s = 0.f;
 #pragma unroll
       for (int c = 0; c < kChunksI; ++c) s += dot8(d.w[c], xs + c * 256 + lane * 8);
-      s = warp_sum(s);
+      s = round_bf16(warp_sum(s));
       if (lane == 0) {
-        const float h = __bfloat162float(__float2bfloat16_rn(s + __bfloat162float(a.residual[n])));
+        const float h = round_bf16(s + __bfloat162float(a.residual[n]));
         a.residual[n] = __float2bfloat16_rn(h);
         const float x = fminf(fmaxf(a.alpha[(int64_t)l * kH + n] * h, -1.f), 1.f);
         a.m[n] = __float2bfloat16_rn(a.dyw[(int64_t)l * kH + n] * x);
@@ -173,16 +171,20 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_mlp_kernel(Args a) {
 
 }  // namespace
 
+// The grid: one block per SM; 0 where one block cannot fit an SM; -cudaError on a failed query.
 extern "C" int persistent_mlp_blocks() {
   int dev = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_mlp_kernel, kThreads, 0);
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  if (e == cudaSuccess) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_mlp_kernel, kThreads, 0);
+  if (e != cudaSuccess) return -static_cast<int>(e);
   return per_sm >= 1 ? sms : 0;
 }
 
 // Returns a cudaError_t (0: launched). `cooperative`: the cooperative launch, which refuses a
-// grid that cannot be resident at once; 0: a plain launch (graph capture), same grid.
+// grid that cannot be resident at once; 0: a plain launch (graph capture), same grid, which
+// relies on the GPU being this process's alone (under MPS, MIG or another process's kernels a
+// block may never start, and the barrier never opens).
 extern "C" int persistent_mlp(const void* w_gu, const void* w_d, const float* alpha, const float* dyw,
                               void* m, void* residual, void* act, unsigned int* bar, int first, int last,
                               int blocks, int cooperative, cudaStream_t stream) {
