@@ -452,23 +452,26 @@ def main():
         table[name] = run_shape(name, ov, seeds, not a.no_attribution, dtype, device, smoke)
     print(f"\nworst scaled logprob error, {dtype}, max over {seeds} seed(s); "
           f"Triton/torch must be <= 1.2 ({time.time() - t0:.0f}s)")
-    print(f"{'shape':22s} {'triton':>9s} {'torch':>9s} {'ratio':>6s} {'noise':>6s} {'mean':>6s}"
+    print(f"{'shape':22s} {'triton':>9s} {'torch':>9s} {'ratio':>6s} {'noise':>6s} {'p99':>6s} {'mean':>6s}"
           "  per seed: ratio / noise  closest swap to torch's error")
     for name, stat in table.items():
         w = {k: [seed[0] for seed in v] for k, v in stat.items()}
         tri, tor = max(w["triton"]), max(w["torch"])
         mean = sum(seed[2] for seed in stat["triton"]) / max(sum(seed[2] for seed in stat["torch"]), 1e-30)
+        p99 = max(seed[1] for seed in stat["triton"]) / max(max(seed[1] for seed in stat["torch"]), 1e-30)
         noise = max(w[NOISE]) / max(tor, 1e-30)
         per_seed = " ".join(f"{t / max(o, 1e-30):.2f}/{n / max(o, 1e-30):.2f}"
                             for t, o, n in zip(w["triton"], w["torch"], w[NOISE]))
         swaps = {k: v[0] for k, v in w.items() if k.startswith("triton ") and k != "triton eager"}
         best = min(swaps, key=lambda k: abs(swaps[k] - w["torch"][0])) if swaps else "-"
         tag = f"{best} ({swaps[best]:.3e})" if swaps else "-"
-        print(f"{name:22s} {tri:9.3e} {tor:9.3e} {tri / max(tor, 1e-30):6.2f} {noise:6.2f} {mean:6.2f}  "
+        print(f"{name:22s} {tri:9.3e} {tor:9.3e} {tri / max(tor, 1e-30):6.2f} {noise:6.2f} {p99:6.2f} {mean:6.2f}  "
               f"{per_seed}  {tag}")
     print(f"noise: {NOISE} (the torch backend with its attention in fp32: more precise, otherwise the same "
-          "engine) over the torch backend; mean: the Triton engine's mean error over the torch backend's "
-          "(<= 1.05 wanted, tests/test_gpu_parity.py)")
+          "engine) over the torch backend; p99 and mean: the Triton engine's 99th percentile (worst seed) and "
+          "mean error over the torch backend's (mean <= 1.05 wanted, tests/test_gpu_parity.py). An engine with "
+          "exact attention (noise) reached 1.24-1.59x the torch backend's worst on some seeds (H200, "
+          "benchmarks/RESULTS.md): the worst ratio is one token's luck, p99 and mean measure precision")
 
 
 if __name__ == "__main__":
