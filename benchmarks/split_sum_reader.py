@@ -15,7 +15,7 @@ from kernels import bench
 from asynct.ops import asynci_common as ac
 from asynct.ops import fused_linear as fl
 from asynct.ops._triton import jit, pdl_args, wait_for_prior
-from asynct.ops.asynci_common import split_range
+from asynct.ops.asynci_common import split_partials, split_range
 
 dec = importlib.import_module("asynct.ops.asynci_decode")
 HQ, D, C = dc.HQ, dc.D, dc.C
@@ -28,9 +28,7 @@ def oproj_partials_kernel(mid_ptr, seq_ptr, S, w_ptr, res_ptr, hid_ptr, out_ptr,
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, K)
     w = tl.load(w_ptr + cols[:, None] * K + kk[None, :]).to(tl.float32)
-    n_keys = tl.load(seq_ptr)
-    per = tl.cdiv(tl.cdiv(n_keys, S), SPLIT_N) * SPLIT_N
-    used = tl.maximum(tl.cdiv(n_keys, tl.maximum(per, 1)), 1)
+    _, _, used, _ = split_range(seq_ptr, seq_ptr, 0, 0, S, SPLIT_N, False)    # batch 1: sequence 0
     wait_for_prior(PDL)
     base = mid_ptr + (kk // D) * S * D + kk % D
     x = tl.zeros([K], dtype=tl.float32)
@@ -50,16 +48,13 @@ def oproj_partials_kernel(mid_ptr, seq_ptr, S, w_ptr, res_ptr, hid_ptr, out_ptr,
 @jit(do_not_specialize=["S"])
 def sum_one_at_a_time_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr,
                         BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, D)
-    row = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d
-    _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
+    row, used = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
     for s in range(used):       # the sum kernel before 4c94361
         acc += tl.load(row + s * D)
-    tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
+    dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty))
 
 
 ORIG_SUM = ac._sum_splits_kernel

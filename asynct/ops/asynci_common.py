@@ -114,6 +114,16 @@ def split_range(seq_ptr, plen_ptr, b, split, n_splits, BLOCK_N: tl.constexpr, CA
     return lo, tl.minimum(lo + per, n_keys), used, start
 
 
+@_jit
+def split_partials(mid_ptr, seq_ptr, plen_ptr, S, D: tl.constexpr, BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
+    """Program (b, h)'s row of a decode's fp32 partials (split s at row + s * D) and how many
+    splits held keys (split_range)."""
+    b = tl.program_id(0)
+    row = mid_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * S).to(tl.int64) * D + tl.arange(0, D)
+    _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
+    return row, used
+
+
 @_jit(do_not_specialize=["S"])
 def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
@@ -124,17 +134,14 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.c
     still. The used splits load eight at a time, all eight in flight before the first add (one
     at a time, batch 1 at 2,048 keys: 14.7-15.2 against 13.8-14.1 us a layer of QKV + decode +
     o_proj; H200, benchmarks/RESULTS.md)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    d = tl.arange(0, D)
-    row = mid_ptr + ((b * tl.num_programs(1) + h) * S).to(tl.int64) * D + d
-    _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
+    row, used = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
     for c in range(tl.cdiv(used, 8)):   # a run-time count: one compiled kernel for every split count
         for j in tl.static_range(8):    # past `used`: masked off, x + 0.0 is x
             acc += tl.load(row + (c * 8 + j) * D, mask=c * 8 + j < used, other=0.0)
-    tl.store(out_ptr + b.to(tl.int64) * sob + h * soh + d, acc.to(out_ptr.dtype.element_ty))
+    dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
+    tl.store(dst, acc.to(out_ptr.dtype.element_ty))
 
 
 @functools.lru_cache(maxsize=None)
