@@ -11,6 +11,7 @@ from asynct import ops
 from asynct.attention import StepInputs
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
+from asynct.engine.sampling_profile import sample_dummy_rows
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -104,7 +105,9 @@ class RunnerStartup:
 
     @torch.inference_mode()
     def profile_activation_memory(self) -> int:
-        """Peak bytes a full-budget prefill needs beyond the weights (over a scratch cache)."""
+        """Peak bytes a full-budget step needs beyond the weights (over a scratch cache): its
+        prefill's forward, then the sampling of max_num_seqs rows from its hidden states, which
+        stay alive meanwhile (sampling_profile)."""
         n = min(self.max_num_batched_tokens, self.max_model_len)
         blocks = (n + self.block_size - 1) // self.block_size
         torch.cuda.empty_cache()
@@ -112,9 +115,11 @@ class RunnerStartup:
         self.allocate_kv_cache(blocks, capture=False)
         torch.cuda.reset_peak_memory_stats(self.device)
         step = StepInputs([n], [n], [list(range(blocks))], list(range(n)), 0)
-        self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
-                      torch.arange(n, device=self.device), self.builder.build(step))
+        hidden = self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                               torch.arange(n, device=self.device), self.builder.build(step))
+        sample_dummy_rows(self, hidden, min(self.max_num_seqs, n))
         peak = torch.cuda.max_memory_allocated(self.device) - base
+        del hidden      # before the cache is emptied: its block would stay reserved, counted as used
         self._release_kv_cache()
         return peak
 

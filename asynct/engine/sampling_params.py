@@ -12,6 +12,9 @@ INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
 log = logging.getLogger("asynct")
 MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [-2, 2]
+# the server's cap on logprobs and prompt_logprobs (vLLM's default max_logprobs), and what the
+# start-up memory profile samples with; LLM takes up to the vocabulary
+MAX_LOGPROBS = 20
 
 
 @dataclass

@@ -7,9 +7,8 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
-from asynct.engine.sampling_params import SamplingParams, SamplingParamsError
+from asynct.engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
 
-MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0      # OpenAI's cap
 STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 

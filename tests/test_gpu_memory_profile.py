@@ -1,0 +1,76 @@
+"""The start-up memory profile holds the sampler's peak: max_num_seqs rows of the whole
+vocabulary sampled on the costliest path (asynct.engine.sampling_profile), beside the forward."""
+import pytest
+import torch
+
+from asynct import LLM, SamplingParams
+from asynct.engine.runner_startup import RunnerStartup
+from asynct.engine.sampling_profile import sample_dummy_rows
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def spy_on(monkeypatch, calls, module, name):
+    """Records each call's arguments and result under `name`."""
+    real = getattr(module, name)
+
+    def spy(*args):
+        calls[name] = args, real(*args)
+        return calls[name][1]
+    monkeypatch.setattr(module, name, spy)
+
+
+def test_the_dummy_sampling_takes_every_costly_path_and_leaves_the_runner_as_it_was(tiny_ckpt, monkeypatch):
+    """max_num_seqs rows sample from the forward's last rows (the rows before are NaN) through
+    the penalties with prompt marks, a top-k / top-p / min-p filter that masks every row, and 20
+    logprobs; the runner's penalty counts (a live sequence's rows) and last samples stay as
+    they were."""
+    import asynct.engine.penalties as penalties
+    import asynct.engine.sampler as sampler
+    import asynct.engine.step_output as step_output
+    llm = LLM(tiny_ckpt, device="cpu", max_num_seqs=12, num_kv_blocks=64)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, repetition_penalty=1.2), use_tqdm=False)
+    runner, vocab = llm.llm_engine.runner, llm.llm_engine.vocab_size
+    counts, last = runner.penalty_counts, runner.last_sampled
+    kept = counts.counts.clone(), counts.in_prompt.clone(), list(counts.counted), len(counts.owner)
+    calls = {}
+    for module, name in ((penalties, "apply_penalties"), (sampler, "_filter_top_k_top_p_min_p"),
+                         (step_output, "token_logprobs")):
+        spy_on(monkeypatch, calls, module, name)
+    hidden = torch.randn(20, runner.config.hidden_size)
+    hidden[:-12] = float("nan")
+    sampled = sample_dummy_rows(runner, hidden, 12)
+    assert sampled.shape == (12,) and 0 <= sampled.min() and sampled.max() < vocab
+    (logits, _, _, in_prompt, *_), _ = calls["apply_penalties"]
+    assert logits.shape == (12, vocab) and in_prompt is not None
+    _, filtered = calls["_filter_top_k_top_p_min_p"]
+    assert filtered.shape == (12, vocab) and filtered.isneginf().any(-1).all()
+    (logprobs, _, num_top), _ = calls["token_logprobs"]
+    assert logprobs.shape == (12, vocab) and logprobs.isfinite().all() and num_top == 20
+    assert runner.penalty_counts is counts and runner.last_sampled is last
+    assert torch.equal(counts.counts, kept[0]) and torch.equal(counts.in_prompt, kept[1])
+    assert (counts.counted, len(counts.owner)) == kept[2:]
+
+
+@gpu
+def test_the_profiled_peak_holds_a_step_sampling_max_num_seqs_rows(tmp_path, monkeypatch):
+    """A small model's forward needs a few MB; 128 rows of a 64k vocabulary sampled with every
+    costly option need hundreds (fp32 copies, penalty counts, the sort, noise, logprobs). The
+    peak the engine profiled at start-up holds the peak of generating them."""
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("small", tmp_path, seed=0, dtype="bfloat16", num_hidden_layers=2, hidden_size=512,
+                           num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=65536)
+    profiled, profile = [], RunnerStartup.profile_activation_memory
+    monkeypatch.setattr(RunnerStartup, "profile_activation_memory",
+                        lambda self: profiled.append(profile(self)) or profiled[-1])
+    llm = LLM(ckpt, max_num_seqs=128, max_num_batched_tokens=1024, admission_batch=128,
+              gpu_memory_utilization=0.3, enforce_eager=True)
+    costly = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            frequency_penalty=0.5, presence_penalty=0.25, logprobs=20, max_tokens=4, ignore_eos=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    outs = llm.generate([{"prompt_token_ids": [1 + i, 2, 3]} for i in range(128)], costly, use_tqdm=False)
+    used = torch.cuda.max_memory_allocated() - base
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 128
+    assert used > 100 * 2**20 and profiled[0] >= used, (profiled, used)
