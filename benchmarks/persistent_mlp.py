@@ -7,10 +7,16 @@ first it checks both against each other after 1 and 35 layers.
 
     PYTHONPATH=. python3 benchmarks/persistent_mlp.py          (CUDA + nvcc; ~10 s to build)
 
-Written in the fifteenth session and only compiled there (nvcc, sm_90a: 180 registers, no
-spills) and reviewed: not yet run on a GPU. Not part of the engine: it covers one token and these shapes only. If a layer's MLP runs
-well under the engine's ~10 us here, attention and the projections around it are the next
-phases to move into the same kernel."""
+Variants (persistent_mlp.cu): the weights through registers (each warp's next rows loaded
+before it waits) or streamed into shared memory by the TMA unit a whole phase ahead (8 or 16
+warps, a copy a slice or a row); three grid barriers (sense-reversing; growing counters, one or
+eight); the barriers alone; and the TMA kernel with parts left out (`work`), to attribute its time.
+
+Measured (sixteenth session, benchmarks/RESULTS.md): with the best barrier (one growing counter,
+~1.06 us a barrier) the persistent kernels run 0.98-1.04x the engine's pair, never faster by
+more: a barrier costs what a PDL boundary costs, and the TMA stream around two barriers a layer
+reaches 0.67-0.78 of copy bandwidth with nothing computed. Not part of the engine: it covers one
+token and these shapes only."""
 import ctypes
 import hashlib
 import os
@@ -36,7 +42,8 @@ def build():
     if not os.path.exists(so):
         subprocess.run(["nvcc", "-O3", f"-arch={arch}", "-shared", "-Xcompiler", "-fPIC", "-o", so, SRC], check=True)
     lib = ctypes.CDLL(so)
-    lib.persistent_mlp.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_void_p]
+    lib.persistent_mlp.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 6 + [ctypes.c_void_p]
+    lib.persistent_mlp_blocks.argtypes = [ctypes.c_int]
     lib.persistent_mlp.restype = ctypes.c_int
     lib.persistent_mlp_blocks.restype = ctypes.c_int
     return lib
@@ -52,16 +59,24 @@ class State:
         self.r0 = torch.randn(H, device="cuda", generator=gen).to(BF)
         self.m, self.residual = self.m0.clone(), self.r0.clone()
         self.act = torch.empty(I, device="cuda", dtype=BF)
-        self.bar = torch.zeros(2, device="cuda", dtype=torch.int32)
+        self.bar = torch.zeros(1024, device="cuda", dtype=torch.int32)   # the barriers' counters
 
     def reset(self):
         self.m.copy_(self.m0)
         self.residual.copy_(self.r0)
 
 
-def persistent(lib, s, first, last, blocks, cooperative=False):
+REGISTERS, TMA, BARRIERS, TMA16, TMA16_ROWS = range(5)     # persistent_mlp.cu's kernels
+KERNELS = {REGISTERS: "registers", TMA: "TMA ring", BARRIERS: "two grid barriers alone, no weights",
+           TMA16: "TMA ring, 16 warps", TMA16_ROWS: "TMA ring, 16 warps, a copy a row"}
+GRID_BARRIERS = ("sense-reversing", "one growing counter", "eight growing counters")
+COUNTER = 1
+
+
+def persistent(lib, s, first, last, blocks, variant, cooperative=False, work=3):
     ptrs = [t.data_ptr() for t in (s.w_gu, s.w_d, s.alpha, s.dyw, s.m, s.residual, s.act, s.bar)]
-    rc = lib.persistent_mlp(*ptrs, first, last, blocks, int(cooperative), torch.cuda.current_stream().cuda_stream)
+    rc = lib.persistent_mlp(*ptrs, first, last, blocks, int(cooperative), variant, work,
+                            torch.cuda.current_stream().cuda_stream)
     if rc:
         raise RuntimeError(f"persistent_mlp launch failed: cudaError {rc}")
 
@@ -74,47 +89,64 @@ def engine_layers(s, m, r, layers):
     return r.view(H), m.view(H)
 
 
-def check(lib, s, blocks, bound=0.2):
+def check(lib, s, blocks, variant, bound=0.2):
     """Worst |persistent - engine| / (1 + |engine|) of (residual, m) after 1 and all layers. Sums
     in another order round apart (a CPU emulation: ~4e-3 after one layer, ~0.06 after 35); a
     wrong row or a missed barrier is O(1), past `bound`, and raises, as does a non-finite value."""
     out = []
     for last in (1, LAYERS):
         s.reset()
-        persistent(lib, s, 0, last, blocks, cooperative=True)
+        persistent(lib, s, 0, last, blocks, variant, cooperative=True)
         r, m = engine_layers(s, s.m0, s.r0, range(last))
         torch.cuda.synchronize()
         errs = torch.stack([((got.float() - want.float()).abs() / (1 + want.float().abs())).max()
                             for got, want in ((s.residual, r), (s.m, m))])
         err = errs.max().item()
         if not torch.isfinite(errs).all() or err > bound:
-            raise SystemExit(f"persistent_mlp disagrees with the engine after {last} layer(s): {errs.tolist()}")
+            raise SystemExit(f"persistent_mlp variant {variant} disagrees with the engine after {last} "
+                             f"layer(s): {errs.tolist()}")
         out.append(err)
     return out
 
 
+def grid(lib, variant):
+    blocks = lib.persistent_mlp_blocks(variant)
+    if blocks <= 0:
+        raise SystemExit(f"cudaError {-blocks}" if blocks else f"variant {variant} cannot keep one block on every SM")
+    return blocks
+
+
 def main():
     lib = build()
-    blocks = lib.persistent_mlp_blocks()
-    if blocks <= 0:
-        raise SystemExit(f"cudaError {-blocks}" if blocks else "the kernel cannot keep one block on every SM")
+    variants = [3 * k + b for k in (REGISTERS, TMA, BARRIERS) for b in range(len(GRID_BARRIERS))]
+    variants += [3 * TMA16 + COUNTER, 3 * TMA16_ROWS + COUNTER]
+    name = {v: f"{KERNELS[v // 3]}, {GRID_BARRIERS[v % 3]}" for v in variants}
+    blocks = {v: grid(lib, v) for v in variants}
     s = State(torch.Generator(device="cuda").manual_seed(0))
-    one, all_ = check(lib, s, blocks)
-    print(f"{torch.cuda.get_device_name()}, {blocks} blocks; persistent vs engine, worst scaled difference: "
-          f"1 layer {one:.2e}, {LAYERS} layers {all_:.2e}", flush=True)
+    for v in variants:
+        if v // 3 != BARRIERS:
+            one, all_ = check(lib, s, blocks[v], v)
+            print(f"{torch.cuda.get_device_name()}, {blocks[v]} blocks; {name[v]} vs engine, worst scaled "
+                  f"difference: 1 layer {one:.2e}, {LAYERS} layers {all_:.2e}", flush=True)
     copy_bw = copy_bandwidth()
     nbytes = 3 * H * I * 2                      # one layer's MLP weights
     s.reset()
     peer = bench([lambda: engine_layers(s, s.m, s.residual, range(LAYERS))]) / LAYERS
-    variants = {"engine: linear_reglu + linear_dyht_add (Triton, PDL)": peer,
-                "persistent, one launch for 35 layers": bench([lambda: persistent(lib, s, 0, LAYERS, blocks)]) / LAYERS,
-                "persistent, one launch a layer": bench([lambda: [persistent(lib, s, i, i + 1, blocks)
-                                                                  for i in range(LAYERS)]]) / LAYERS}
+    times = {"engine: linear_reglu + linear_dyht_add (Triton, PDL)": peer}
+    for v in variants:
+        times[f"{name[v]}, one launch for 35 layers"] = bench(
+            [lambda v=v: persistent(lib, s, 0, LAYERS, blocks[v], v)]) / LAYERS
+    for v in (3 * TMA + COUNTER, 3 * TMA16 + COUNTER):
+        times[f"{name[v]}, one launch a layer"] = bench(
+            [lambda v=v: [persistent(lib, s, i, i + 1, blocks[v], v) for i in range(LAYERS)]]) / LAYERS
+        for work, label in ((0, "loads and barriers only"), (1, "+ inputs staged"), (2, "+ dots, inputs not staged")):
+            times[f"{name[v]}, {label}"] = bench([lambda v=v, w=work: persistent(lib, s, 0, LAYERS, blocks[v], v,
+                                                                               work=w)]) / LAYERS
     print(f"copy bandwidth {copy_bw:.2f} TB/s; one layer's MLP weights {nbytes / 1e6:.1f} MB "
           f"(roofline {nbytes / copy_bw / 1e6:.2f} us)")
     print("variant | us a layer | TB/s | x copy | engine / this")
-    for name, t in variants.items():
-        print(f"{name} | {t * 1e6:.2f} | {nbytes / t / 1e12:.2f} | {nbytes / t / 1e12 / copy_bw:.2f} | {peer / t:.2f}")
+    for label, t in times.items():
+        print(f"{label} | {t * 1e6:.2f} | {nbytes / t / 1e12:.2f} | {nbytes / t / 1e12 / copy_bw:.2f} | {peer / t:.2f}")
 
 
 if __name__ == "__main__":
