@@ -15,7 +15,8 @@ from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.runner_startup import RunnerStartup
 from asynct.engine.sampler import sample
 from asynct.engine.scheduler import ScheduledBatch
-from asynct.engine.step_output import LaunchedStep, StepOutput, entries, logprob_tensors, to_host
+from asynct.engine.step_output import (LaunchedStep, StepOutput, entries, logprob_parts, logprob_tensors,
+                                       to_host)
 from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
@@ -135,29 +136,30 @@ class ModelRunner(RunnerStartup):
         return start, end
 
     def _sample(self, batch, hidden, qsl):
-        """Logits of the rows that sample or score prompt tokens; samples and logprobs queued to
-        the host. Returns (sampling batch rows, prompt-logprob rows, host copies)."""
+        """Samples and logprobs of the rows that sample or score prompt tokens, queued to the
+        host. Returns (sampling batch rows, prompt-logprob rows, host copies)."""
         samplers = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                     if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
         prompt_rows = self._prompt_logprob_rows(batch, qsl)
-        rows = [qsl[i + 1] - 1 for i in samplers] + [r for _, r, _ in prompt_rows]
-        logits = None
-        if rows == list(range(hidden.shape[0])):
-            logits = self.model.compute_logits(hidden)          # decode steps: every row samples
-        elif rows:
-            logits = self.model.compute_logits(hidden[host_to_device(rows, torch.long, self.device)])
-        host = {}
-        if samplers:
-            seqs = [batch.seqs[i] for i in samplers]
-            # before last_sampled is replaced: it holds the pending tokens the penalties count
-            sampled = sample(logits[:len(samplers)], seqs, self.eos_token_ids, self.last_sampled,
-                             self.penalty_counts)
-            self.last_sampled = sampled
-            host["tokens"] = to_host(sampled)
-            host["logprobs"] = self._logprob_tensors(logits[:len(samplers)], sampled, seqs)
-        if prompt_rows:
-            host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, logits[len(samplers):])
+        rows, host = [qsl[i + 1] - 1 for i in samplers], {}
+        if not prompt_rows and rows == list(range(hidden.shape[0])):
+            # decode steps: every row samples
+            self._sample_rows(batch, samplers, self.model.compute_logits(hidden), host)
+        elif rows or prompt_rows:
+            index = host_to_device(rows + [r for _, r, _ in prompt_rows], torch.long, self.device)
+            if samplers:   # its logits are dropped on return, before the prompt rows' exist
+                self._sample_rows(batch, samplers, self.model.compute_logits(hidden[index[:len(rows)]]), host)
+            if prompt_rows:
+                host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, hidden, index[len(rows):])
         return samplers, prompt_rows, host
+
+    def _sample_rows(self, batch, samplers, logits, host):
+        seqs = [batch.seqs[i] for i in samplers]
+        # before last_sampled is replaced: it holds the pending tokens the penalties count
+        sampled = sample(logits, seqs, self.eos_token_ids, self.last_sampled, self.penalty_counts)
+        self.last_sampled = sampled
+        host["tokens"] = to_host(sampled)
+        host["logprobs"] = self._logprob_tensors(logits, sampled, seqs)
 
     def _logprob_tensors(self, logits, sampled, seqs):
         want = [s.params.logprobs for s in seqs]
@@ -178,10 +180,23 @@ class ModelRunner(RunnerStartup):
                 rows.append((i, qsl[i] + p - s.num_computed_tokens, s.token_ids[p + 1]))
         return rows
 
-    def _prompt_logprob_tensors(self, batch, prompt_rows, logits):
-        targets = host_to_device([t for _, _, t in prompt_rows], torch.long, logits.device)
+    def _prompt_logprob_tensors(self, batch, prompt_rows, hidden, index):
+        """A prefill step scores up to max_num_batched_tokens rows (loglikelihood_rolling), whose
+        logits at once outgrow the start-up profile (15 GiB at 8192 rows of 152k, H200): slices
+        of max_num_seqs rows, which it holds (sampling_profile), keep only per-row results. They
+        equal one pass's bit for bit on an H200; on the CPU, MKL rounds a product of under ~4
+        rows a ulp apart."""
+        targets = host_to_device([t for _, _, t in prompt_rows], torch.long, self.device)
         want = [batch.seqs[i].params.prompt_logprobs for i, _, _ in prompt_rows]
-        return want, logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), targets, max(want))
+        n = self.max_num_seqs
+        parts = [self._prompt_slice(hidden[index[a:a + n]], targets[a:a + n], max(want))
+                 for a in range(0, len(prompt_rows), n)]
+        return want, tuple(to_host(torch.cat(p)) for p in zip(*parts))
+
+    def _prompt_slice(self, hidden, targets, num_top):
+        # the slice's [rows, vocab] tensors die here, before the next slice's logits
+        logprobs = self.model.compute_logits(hidden).log_softmax(-1, dtype=torch.float32)
+        return logprob_parts(logprobs, targets, num_top)
 
     # ---- finishing a step -----------------------------------------------------------------
     def finish(self, launched: LaunchedStep) -> StepOutput:

@@ -38,12 +38,16 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
-def logprob_tensors(logprobs, tokens, num_top):
-    """Per row on the host (non-blocking copies): the chosen token's logprob and rank, and the
-    top `num_top` ids and logprobs."""
+def logprob_parts(logprobs, tokens, num_top):
+    """Per row on the device: the chosen token's logprob and rank, and (where num_top) the top
+    `num_top` ids and logprobs."""
     chosen, ranks, top = token_logprobs(logprobs, tokens, num_top)
-    parts = (chosen, ranks) + ((top.indices, top.values) if top is not None else ())
-    return tuple(to_host(p) for p in parts)
+    return (chosen, ranks) + ((top.indices, top.values) if top is not None else ())
+
+
+def logprob_tensors(logprobs, tokens, num_top):
+    """logprob_parts on the host (non-blocking copies)."""
+    return tuple(to_host(p) for p in logprob_parts(logprobs, tokens, num_top))
 
 
 def entries(packed, tokens: list[int]) -> list:
