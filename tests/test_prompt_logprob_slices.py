@@ -43,7 +43,7 @@ def assert_same_entries(got, want):
             assert abs(g[t].logprob - w[t].logprob) <= 1e-5, (t, g[t], w[t])
 
 
-def test_sliced_prompt_logprobs_equal_one_pass_s(tiny_ckpt, monkeypatch):
+def test_sliced_prompt_logprobs_equal_one_pass(tiny_ckpt, monkeypatch):
     """max_num_seqs=4: the scored prompt's 29 rows take 8 slices, in the step where the other
     request samples; its prompt logprobs and both outputs are those of an engine that slices
     nothing."""
