@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from asynct import LLM, SamplingParams
+from asynct.engine import runner_startup
 from asynct.engine.runner_startup import RunnerStartup
 from asynct.engine.sampling_profile import sample_dummy_rows
 
@@ -50,6 +51,47 @@ def test_the_dummy_sampling_takes_every_costly_path_and_leaves_the_runner_as_it_
     assert runner.penalty_counts is counts and runner.last_sampled is last
     assert torch.equal(counts.counts, kept[0]) and torch.equal(counts.in_prompt, kept[1])
     assert (counts.counted, len(counts.owner)) == kept[2:]
+
+
+def test_the_dummy_sampling_pads_a_short_forward_and_leaves_the_random_state_alone(tiny_ckpt):
+    """A forward of max_model_len tokens can be shorter than a step's rows: zero rows make up the
+    rest. LLM(seed=...) seeded the generator before the profile, whose noise must not move it."""
+    llm = LLM(tiny_ckpt, device="cpu", max_num_seqs=12, num_kv_blocks=64)
+    runner = llm.llm_engine.runner
+    hidden = torch.randn(5, runner.config.hidden_size)
+    state = torch.get_rng_state()
+    sampled = sample_dummy_rows(runner, hidden, 12)
+    assert sampled.shape == (12,)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def profile_on_cpu(monkeypatch, llm, peaks):
+    """profile_activation_memory on the CPU: the CUDA memory calls stubbed, max_memory_allocated
+    answering `peaks` in turn (the forward's, then the sampling's); returns (its result, the rows
+    it sampled)."""
+    for name in ("empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    answers = iter(peaks)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(answers))
+    rows = []
+    real = runner_startup.sample_dummy_rows
+    monkeypatch.setattr(runner_startup, "sample_dummy_rows", lambda r, h, n: rows.append(n) or real(r, h, n))
+    return llm.llm_engine.runner.profile_activation_memory(), rows
+
+
+def test_the_profile_samples_a_full_batch_and_counts_the_penalty_rows_beside_the_forward(tiny_ckpt, monkeypatch):
+    """A step samples up to min(max_num_seqs, max_num_batched_tokens) rows, more than the
+    forward's max_model_len tokens here; and the penalty counts, once grown, stay beside every
+    later forward: the peak is the larger of forward + counts and the sampling's."""
+    llm = LLM(tiny_ckpt, device="cpu", max_num_seqs=48, max_num_batched_tokens=64, max_model_len=16,
+              num_kv_blocks=64)
+    counts = llm.llm_engine.runner.penalty_counts.full_bytes(llm.llm_engine.vocab_size)
+    assert counts == 49 * llm.llm_engine.vocab_size * 5
+    peak, rows = profile_on_cpu(monkeypatch, llm, [10**6, 2 * 10**6])
+    assert rows == [48] and peak == max(10**6 + counts, 2 * 10**6)
+    peak, _ = profile_on_cpu(monkeypatch, llm, [10**6, 10**4])
+    assert peak == 10**6 + counts
 
 
 @gpu

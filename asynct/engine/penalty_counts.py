@@ -29,6 +29,11 @@ class PenaltyCounts:
         self.row_of = weakref.WeakKeyDictionary()   # sequence -> row
         self._ones = None
 
+    def full_bytes(self, vocab: int) -> int:
+        """What the counts and prompt marks hold at rows_hint rows: once every running sequence
+        was penalised they stay that size (rows never shrink)."""
+        return self.rows_hint * vocab * (torch.int32.itemsize + torch.bool.itemsize)
+
     def rows(self, seqs, vocab: int, device) -> list[int]:
         """Each sequence's row (0 for those without penalties); a new one starts zeroed."""
         if self.counts is None:

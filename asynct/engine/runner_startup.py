@@ -106,8 +106,8 @@ class RunnerStartup:
     @torch.inference_mode()
     def profile_activation_memory(self) -> int:
         """Peak bytes a full-budget step needs beyond the weights (over a scratch cache): its
-        prefill's forward, then the sampling of max_num_seqs rows from its hidden states, which
-        stay alive meanwhile (sampling_profile)."""
+        prefill's forward, beside the penalty counts a run keeps once penalised, or the sampling
+        of a full batch of rows from its hidden states, which stay alive meanwhile."""
         n = min(self.max_num_batched_tokens, self.max_model_len)
         blocks = (n + self.block_size - 1) // self.block_size
         torch.cuda.empty_cache()
@@ -117,11 +117,12 @@ class RunnerStartup:
         step = StepInputs([n], [n], [list(range(blocks))], list(range(n)), 0)
         hidden = self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                                torch.arange(n, device=self.device), self.builder.build(step))
-        sample_dummy_rows(self, hidden, min(self.max_num_seqs, n))
-        peak = torch.cuda.max_memory_allocated(self.device) - base
+        forward = torch.cuda.max_memory_allocated(self.device) - base
+        sample_dummy_rows(self, hidden, min(self.max_num_seqs, self.max_num_batched_tokens))
+        sampling = torch.cuda.max_memory_allocated(self.device) - base   # counts made in it
         del hidden      # before the cache is emptied: its block would stay reserved, counted as used
         self._release_kv_cache()
-        return peak
+        return max(forward + self.penalty_counts.full_bytes(self.config.vocab_size), sampling)
 
     def _release_kv_cache(self):
         self.kv_cache = None

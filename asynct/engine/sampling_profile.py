@@ -27,10 +27,14 @@ def dummy_sequences(n: int, vocab_size: int, block_size: int) -> list[Sequence]:
 
 
 def sample_dummy_rows(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Samples `num_rows` dummy sequences from the last rows of `hidden` (a forward's output) with
-    the runner's own sampling and logprobs; returns the samples. The runner's last samples and
-    penalty counts stay as they were: the dummies count in a throwaway set of the same size."""
+    """Samples `num_rows` dummy sequences from the last rows of `hidden` (a forward's output;
+    zero rows added where it has fewer) with the runner's own sampling and logprobs; returns the
+    samples. The runner's last samples, penalty counts and random state stay as they were: the
+    dummies count in a throwaway set of the same size, and their noise comes from a forked
+    generator (LLM(seed=...) seeded it before the profile)."""
     seqs = dummy_sequences(num_rows, runner.config.vocab_size, runner.block_size)
+    if hidden.shape[0] < num_rows:   # a forward of max_model_len tokens, a step of more rows
+        hidden = torch.cat([hidden, hidden.new_zeros(num_rows - hidden.shape[0], hidden.shape[1])])
     # each dummy's query ends at one of the forward's last rows: below a full batch, the logits
     # are taken from a gathered copy of those rows, as in a mixed step
     n = hidden.shape[0]
@@ -38,7 +42,8 @@ def sample_dummy_rows(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tens
     last, counts = runner.last_sampled, runner.penalty_counts
     runner.penalty_counts = PenaltyCounts(rows_hint=counts.rows_hint)
     try:
-        runner._sample(ScheduledBatch(seqs, [1] * num_rows, num_rows), hidden, qsl)
+        with torch.random.fork_rng(devices=[hidden.device] if hidden.is_cuda else []):
+            runner._sample(ScheduledBatch(seqs, [1] * num_rows, num_rows), hidden, qsl)
         return runner.last_sampled
     finally:
         runner.last_sampled, runner.penalty_counts = last, counts
