@@ -81,17 +81,39 @@ def profile_on_cpu(monkeypatch, llm, peaks):
 
 
 def test_the_profile_samples_a_full_batch_and_counts_the_penalty_rows_beside_the_forward(tiny_ckpt, monkeypatch):
-    """A step samples up to min(max_num_seqs, max_num_batched_tokens) rows, more than the
-    forward's max_model_len tokens here; and the penalty counts, once grown, stay beside every
+    """A step forwards max_num_batched_tokens tokens over several prompts and samples up to
+    min(max_num_seqs, max_num_batched_tokens) rows, more than one max_model_len prompt holds;
+    and the penalty counts, once grown, stay beside every
     later forward: the peak is the larger of forward + counts and the sampling's."""
     llm = LLM(tiny_ckpt, device="cpu", max_num_seqs=48, max_num_batched_tokens=64, max_model_len=16,
               num_kv_blocks=64)
-    counts = llm.llm_engine.runner.penalty_counts.full_bytes(llm.llm_engine.vocab_size)
+    runner = llm.llm_engine.runner
+    counts = runner.penalty_counts.full_bytes(llm.llm_engine.vocab_size)
     assert counts == 49 * llm.llm_engine.vocab_size * 5
+    tokens, forward = [], runner._forward
+    monkeypatch.setattr(runner, "_forward", lambda ids, pos, meta: tokens.append(len(ids)) or forward(ids, pos, meta))
     peak, rows = profile_on_cpu(monkeypatch, llm, [10**6, 2 * 10**6])
-    assert rows == [48] and peak == max(10**6 + counts, 2 * 10**6)
+    assert tokens == [64] and rows == [48] and peak == max(10**6 + counts, 2 * 10**6)
     peak, _ = profile_on_cpu(monkeypatch, llm, [10**6, 10**4])
     assert peak == 10**6 + counts
+
+
+def test_the_profiled_step_packs_the_budget_into_prompts_of_max_model_len(tiny_ckpt):
+    """A step of max_num_batched_tokens tokens runs when prompts are shorter than it: the profile
+    forwards that many (at most max_num_seqs prompts of max_model_len), not one prompt's worth,
+    each prompt on its own blocks; a one-token rest goes first, as the scheduler's decodes do."""
+    def step(**kw):
+        runner = LLM(tiny_ckpt, device="cpu", num_kv_blocks=64, **kw).llm_engine.runner
+        s = runner.profile_step()
+        blocks = [b for t in s.block_tables for b in t]
+        assert blocks == list(range(len(blocks))) and s.query_lens == s.seq_lens
+        assert s.slot_mapping == [t[i // 4] * 4 + i % 4 for t, n in zip(s.block_tables, s.query_lens)
+                                  for i in range(n)]
+        return s.query_lens, s.num_decodes
+    assert step(max_num_seqs=48, max_num_batched_tokens=64, max_model_len=16, block_size=4) == ([16] * 4, 0)
+    assert step(max_num_seqs=2, max_num_batched_tokens=64, max_model_len=16, block_size=4) == ([16] * 2, 0)
+    assert step(max_num_seqs=8, max_num_batched_tokens=33, max_model_len=16, block_size=4) == ([1, 16, 16], 1)
+    assert step(max_num_seqs=8, max_num_batched_tokens=30, max_model_len=64, block_size=4) == ([30], 0)
 
 
 @gpu

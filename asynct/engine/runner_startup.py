@@ -103,20 +103,33 @@ class RunnerStartup:
         warmup_penalties(self.config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
 
+    def profile_step(self) -> StepInputs:
+        """The largest prefill step: the token budget as prompts of at most max_model_len tokens
+        (at most max_num_seqs of them) on consecutive blocks; one-token prompts first, as the
+        scheduler orders decode-sized queries."""
+        per_seq, bs = self.max_model_len, self.block_size
+        total = min(self.max_num_batched_tokens, self.max_num_seqs * per_seq)
+        lens = sorted((min(per_seq, total - a) for a in range(0, total, per_seq)), key=lambda n: n != 1)
+        tables, slots, first = [], [], 0
+        for n in lens:
+            tables.append(list(range(first, first + -(-n // bs))))
+            slots.extend(first * bs + i for i in range(n))
+            first += len(tables[-1])
+        return StepInputs(lens, lens, tables, slots, lens.count(1))
+
     @torch.inference_mode()
     def profile_activation_memory(self) -> int:
         """Peak bytes a full-budget step needs beyond the weights (over a scratch cache): its
         prefill's forward, beside the penalty counts a run keeps once penalised, or the sampling
         of a full batch of rows from its hidden states, which stay alive meanwhile."""
-        n = min(self.max_num_batched_tokens, self.max_model_len)
-        blocks = (n + self.block_size - 1) // self.block_size
+        step = self.profile_step()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
-        self.allocate_kv_cache(blocks, capture=False)
+        self.allocate_kv_cache(sum(len(t) for t in step.block_tables), capture=False)
         torch.cuda.reset_peak_memory_stats(self.device)
-        step = StepInputs([n], [n], [list(range(blocks))], list(range(n)), 0)
-        hidden = self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
-                               torch.arange(n, device=self.device), self.builder.build(step))
+        positions = [p for n in step.query_lens for p in range(n)]
+        hidden = self._forward(torch.zeros(len(positions), dtype=torch.long, device=self.device),
+                               torch.tensor(positions, device=self.device), self.builder.build(step))
         forward = torch.cuda.max_memory_allocated(self.device) - base
         sample_dummy_rows(self, hidden, min(self.max_num_seqs, self.max_num_batched_tokens))
         sampling = torch.cuda.max_memory_allocated(self.device) - base   # counts made in it
