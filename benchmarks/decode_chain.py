@@ -53,19 +53,20 @@ def qkv(t, layer):
                            layer["cache"], t.slots)
 
 
-def decode(t, layer, max_len):
+def decode(t, layer, max_len, **kw):
     dec.asynci_decode_triton(t.q, layer["cache"], layer["table"], layer["lens"], t.sigma, D ** -0.5, 3, True,
-                             t.out, max_seq_len=max_len)
+                             t.out, max_seq_len=max_len, **kw)
 
 
-def chain_us(b, max_len, parts):
+def chain_us(b, max_len, parts, **kw):
+    """us a layer of the chain's `parts` (decode always; "qkv", "o"), decode launched with `kw`."""
     t = chain_inputs(b)
 
     def step():
         for layer in t.stack:
             if "qkv" in parts:
                 qkv(t, layer)
-            decode(t, layer, max_len)
+            decode(t, layer, max_len, **kw)
             if "o" in parts:
                 fl.linear_dyht_add(t.out.view(b, -1), layer["w_o"], t.x, t.one, t.one)
     return bench([step]) / LAYERS * 1e6

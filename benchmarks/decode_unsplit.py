@@ -5,7 +5,6 @@ a layer. An ablation (fifteenth session, benchmarks/RESULTS.md): the engine's sp
 
     PYTHONPATH=. python3 benchmarks/decode_unsplit.py"""
 import decode_chain as dc
-from kernels import bench
 
 VARIANTS = {"engine (graph max_len 4096)": dict(), "1 split, 64 keys, 2 stages": dict(splits=1),
             "1 split, 64 keys, 4 stages": dict(splits=1, num_stages=4),
@@ -19,15 +18,7 @@ VARIANTS = {"engine (graph max_len 4096)": dict(), "1 split, 64 keys, 2 stages":
 
 def chain_us(b, context, max_len, **kw):
     dc.CONTEXT = context         # decode_chain's set-up reads it at call time
-    t = dc.chain_inputs(b)
-
-    def step():
-        for layer in t.stack:
-            dc.qkv(t, layer)
-            dc.dec.asynci_decode_triton(t.q, layer["cache"], layer["table"], layer["lens"], t.sigma, dc.D ** -0.5,
-                                        3, True, t.out, max_seq_len=max_len, **kw)
-            dc.fl.linear_dyht_add(t.out.view(b, -1), layer["w_o"], t.x, t.one, t.one)
-    return bench([step]) / dc.LAYERS * 1e6
+    return dc.chain_us(b, max_len, ("qkv", "decode", "o"), **kw)
 
 
 def main():
