@@ -119,8 +119,8 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
             return a.num_kv_blocks
         if self.device.type == "cuda":
             # what is free now (other engines and processes included), less the share the
-            # user keeps back and this engine's activation peak (a full-budget forward, then
-            # sampling max_num_seqs rows: the sampler's whole-vocabulary rows need room too)
+            # user keeps back and this engine's activation peak (a full-budget step's forward,
+            # then its sampling: the sampler's whole-vocabulary rows need room too)
             activations = self.runner.profile_activation_memory()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - a.gpu_memory_utilization) - activations
