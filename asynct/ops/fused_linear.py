@@ -229,7 +229,10 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
     rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, the
     fused kernel stores k and v there itself (one kernel fewer a layer) and returns (q, None,
-    None); the unfused path returns k and v for the attention backend to store."""
+    None); the unfused path returns k and v for the attention backend to store.
+    `positions` and `slot_mapping` must not be written by the kernel launched just before this
+    call (host-written step inputs are not): with programmatic dependent launch the fused kernel
+    reads them, and their cos/sin, while that kernel still runs."""
     args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
             cos_sin_cache)
     d = cos_sin_cache.shape[-1]
