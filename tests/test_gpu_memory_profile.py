@@ -1,5 +1,6 @@
 """The start-up memory profile holds the sampler's peak: max_num_seqs rows of the whole
-vocabulary sampled on the costliest path (asynct.engine.sampling_profile), beside the forward."""
+vocabulary sampled on the costliest path (asynct.engine.sampling_profile), beside the forward;
+prompt logprobs, scored in slices of as many rows, fit under it."""
 import pytest
 import torch
 
@@ -116,25 +117,50 @@ def test_the_profiled_step_packs_the_budget_into_prompts_of_max_model_len(tiny_c
     assert step(max_num_seqs=8, max_num_batched_tokens=30, max_model_len=64, block_size=4) == ([30], 0)
 
 
-@gpu
-def test_the_profiled_peak_holds_a_step_sampling_max_num_seqs_rows(tmp_path, monkeypatch):
-    """A small model's forward needs a few MB; 128 rows of a 64k vocabulary sampled with every
-    costly option need hundreds (fp32 copies, penalty counts, the sort, noise, logprobs). The
-    peak the engine profiled at start-up holds the peak of generating them."""
+def profiled_engine(tmp_path, monkeypatch, **kw):
+    """A 2-layer model of a 64k vocabulary; the engine and the peak it profiled at start-up."""
     from asynct.model.checkpoint import make_checkpoint
     ckpt = make_checkpoint("small", tmp_path, seed=0, dtype="bfloat16", num_hidden_layers=2, hidden_size=512,
                            num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=65536)
     profiled, profile = [], RunnerStartup.profile_activation_memory
     monkeypatch.setattr(RunnerStartup, "profile_activation_memory",
                         lambda self: profiled.append(profile(self)) or profiled[-1])
-    llm = LLM(ckpt, max_num_seqs=128, max_num_batched_tokens=1024, admission_batch=128,
-              gpu_memory_utilization=0.3, enforce_eager=True)
-    costly = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
-                            frequency_penalty=0.5, presence_penalty=0.25, logprobs=20, max_tokens=4, ignore_eos=True)
+    llm = LLM(ckpt, gpu_memory_utilization=0.3, enforce_eager=True, **kw)
+    return llm, profiled[0]
+
+
+def peak_of(generate):
+    """(the outputs of `generate()`, its peak bytes over the memory allocated before)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    outs = llm.generate([{"prompt_token_ids": [1 + i, 2, 3]} for i in range(128)], costly, use_tqdm=False)
-    used = torch.cuda.max_memory_allocated() - base
+    outs = generate()
+    return outs, torch.cuda.max_memory_allocated() - base
+
+
+@gpu
+def test_the_profiled_peak_holds_a_step_sampling_max_num_seqs_rows(tmp_path, monkeypatch):
+    """A small model's forward needs a few MB; 128 rows of a 64k vocabulary sampled with every
+    costly option need hundreds (fp32 copies, penalty counts, the sort, noise, logprobs). The
+    peak the engine profiled at start-up holds the peak of generating them."""
+    llm, profiled = profiled_engine(tmp_path, monkeypatch, max_num_seqs=128, max_num_batched_tokens=1024,
+                                    admission_batch=128)
+    costly = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
+                            frequency_penalty=0.5, presence_penalty=0.25, logprobs=20, max_tokens=4, ignore_eos=True)
+    outs, used = peak_of(lambda: llm.generate([{"prompt_token_ids": [1 + i, 2, 3]} for i in range(128)], costly,
+                                              use_tqdm=False))
     assert [len(o.outputs[0].token_ids) for o in outs] == [4] * 128
-    assert used > 100 * 2**20 and profiled[0] >= used, (profiled, used)
+    assert used > 100 * 2**20 and profiled >= used, (profiled, used)
+
+
+@gpu
+def test_the_profiled_peak_holds_a_step_scoring_every_prompt_position(tmp_path, monkeypatch):
+    """loglikelihood_rolling's steps: 4,000 prompt positions scored with 20 top entries each, in
+    slices of max_num_seqs rows (64 here: 8 MB of bf16 logits, more in fp32) beside the step's
+    hidden states. The profiled peak, which sampled as many rows, holds them."""
+    llm, profiled = profiled_engine(tmp_path, monkeypatch, max_num_seqs=64, max_num_batched_tokens=4096)
+    prompt = torch.randint(0, 65536, (4000,), generator=torch.Generator().manual_seed(0)).tolist()
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
+    outs, used = peak_of(lambda: llm.generate([{"prompt_token_ids": prompt}], scored, use_tqdm=False))
+    assert len(outs[0].prompt_logprobs) == 4000
+    assert used > 20 * 2**20 and profiled >= used, (profiled, used)
