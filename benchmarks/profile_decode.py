@@ -65,13 +65,13 @@ def graph_timeline(eng, steps=20):
         mean_step(eng, steps)
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                      and e.device_time > 0), key=lambda e: e.time_range.start)
-    runs, cur = [], [events[0]]
-    for a, b in zip(events, events[1:]):
-        if b.time_range.start - a.time_range.end > 20:     # the host's gap between two steps
+    runs, cur = [], []
+    for e in events:    # a step starts with its embedding gather (the host may leave no gap)
+        if "indexSelect" in e.name and cur:
             runs.append(cur)
             cur = []
-        cur.append(b)
-    runs = [r for r in runs + [cur] if len(r) > 50][1:-1]     # whole steps only
+        cur.append(e)
+    runs = [r for r in runs if len(r) > 50][1:]     # whole steps only
     rows = {}
     for r in runs:
         for a, b in zip(r, r[1:] + [None]):
