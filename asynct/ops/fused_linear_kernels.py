@@ -1,6 +1,6 @@
 """The Triton kernels of fused_linear.py: decode-sized linears (at most 32 rows) with their
 elementwise epilogue. A program streams 16 weight rows (a 16-row dot with a tile of 16 or 32
-activation rows), or, for one or two activation rows (GEMV), 2-8 weight rows multiplied on the
+activation rows), or, for one to four activation rows (GEMV), 2-8 weight rows multiplied on the
 CUDA cores; RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j),
 so their programs load the two halves as one tile and split the accumulator. The accumulator
 is rounded to the activation dtype before the epilogue, as the unfused ops receive it."""
@@ -39,15 +39,26 @@ def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @_jit
+def _x_row(x_ptr, sx, i: tl.constexpr, M, k, km):
+    # a row past M (the fourth of a 3-row call) reads as zeros; one past BLOCK_M is never used,
+    # so its load compiles away
+    if i > 0:           # every call has row 0: no predicate on M
+        km = km & (M > i)
+    return tl.load(x_ptr + i * sx + k, mask=km, other=0.0).to(tl.float32)[None, :]
+
+
+@_jit
 def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """_dot_rows for one or two activation rows (BLOCK_M), on the CUDA cores: K is unrolled, so
-    all of a program's weight loads go out at once, straight into registers, and a 16-row dot
-    tile's 15 empty rows cost nothing. Fewer weight rows a program than a dot tile's 16 make
-    more programs (o_proj: 512, not 64), so every SM streams. Where one K tile holds the whole
-    rows, they load before the PDL wait (weights are no kernel's output): the DRAM round trip
-    overlaps the kernel before instead of following it (batch-1 steps 1.07x faster, though most
-    ops alone ran slower; an L2 prefetch there instead made steps 1.07x slower. H200,
+    """_dot_rows for one to four activation rows (BLOCK_M 1, 2 or 4), on the CUDA cores: K is
+    unrolled, so all of a program's weight loads go out at once, straight into registers, and
+    a 16-row dot tile's empty rows cost nothing. Each weight tile, loaded once, meets every
+    row, each in an accumulator of its own (one 3-D one reduced K through shared memory and
+    lost: RESULTS.md). Fewer weight rows a program than a dot tile's 16 make more programs
+    (o_proj: 512, not 64), so every SM streams. Where one K tile holds the whole rows, they
+    load before the PDL wait (weights are no kernel's output): the DRAM round trip overlaps
+    the kernel before instead of following it (batch-1 steps 1.07x faster, though most ops
+    alone ran slower; an L2 prefetch there instead made steps 1.07x slower. H200,
     benchmarks/RESULTS.md)."""
     kk = tl.arange(0, BLOCK_K)
     base = w_ptr + tl.where(rmask, rows, 0).to(tl.int64)[:, None] * K
@@ -55,24 +66,35 @@ def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.co
         km = kk < K
         w = tl.load(base + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
         wait_for_prior(PDL)
-        acc0 = w * tl.load(x_ptr + kk, mask=km, other=0.0).to(tl.float32)[None, :]
-        acc1 = w * tl.load(x_ptr + sx + kk, mask=km & (M > 1), other=0.0).to(tl.float32)[None, :]
+        # products, not sums onto zeros: each fuses into the reduction's adds (FMA)
+        acc0, acc1 = w * _x_row(x_ptr, sx, 0, M, kk, km), w * _x_row(x_ptr, sx, 1, M, kk, km)
+        acc2, acc3 = w * _x_row(x_ptr, sx, 2, M, kk, km), w * _x_row(x_ptr, sx, 3, M, kk, km)
     else:
         wait_for_prior(PDL)
         acc0 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
-        acc1 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
+        acc1, acc2, acc3 = acc0, acc0, acc0
         for k0 in tl.static_range(0, K, BLOCK_K):
             km = k0 + kk < K
             w = tl.load(base + k0 + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
-            acc0 += w * tl.load(x_ptr + k0 + kk, mask=km, other=0.0).to(tl.float32)[None, :]
-            if BLOCK_M == 2:
-                x1 = tl.load(x_ptr + sx + k0 + kk, mask=km & (M > 1), other=0.0)
-                acc1 += w * x1.to(tl.float32)[None, :]
-    if BLOCK_M == 2:
-        acc = tl.trans(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)))
-    else:
-        acc = tl.sum(acc0, axis=1)[None, :]
-    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
+            acc0 += w * _x_row(x_ptr + k0, sx, 0, M, kk, km)
+            acc1 += w * _x_row(x_ptr + k0, sx, 1, M, kk, km)
+            acc2 += w * _x_row(x_ptr + k0, sx, 2, M, kk, km)
+            acc3 += w * _x_row(x_ptr + k0, sx, 3, M, kk, km)
+    return _row_sums(acc0, acc1, acc2, acc3, BLOCK_M).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@_jit
+def _row_sums(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
+    """[BLOCK_M, weight rows]: the first BLOCK_M accumulators, each reduced over K once."""
+    if BLOCK_M == 1:
+        out = tl.sum(acc0, axis=1)[None, :]
+    elif BLOCK_M == 2:
+        out = tl.trans(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)))
+    else:   # [rows, 2, 2], row i at [:, i % 2, i // 2]
+        out = tl.join(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)),
+                      tl.join(tl.sum(acc2, axis=1), tl.sum(acc3, axis=1)))
+        out = tl.reshape(tl.permute(out, (2, 1, 0)), (4, acc0.shape[0]))
+    return out
 
 
 @_jit
