@@ -256,9 +256,10 @@ def test_launch_plan_row_tiles_and_shared_memory():
 
 
 def test_launch_plan_gemv_rows(monkeypatch):
-    """The CUDA-core path where it won: one row for every op, two for all but gate/up, dot tiles
-    of 16 weight rows past that; its K tile never wider than K needs; never more rows than the
-    kernel has accumulators for, whatever the table says."""
+    """The CUDA-core path where it won: one row for every op, two for all but gate/up, three
+    and four (in the 4-row kernel) for o_proj/down, dot tiles of 16 weight rows past that; its
+    K tile never wider than K needs; never more rows than the kernel has accumulators for,
+    whatever the table says."""
     from asynct.ops import fused_linear
     from asynct.ops.fused_linear import GEMV, GEMV_MAX_ROWS, TILE_N, _plan
     monkeypatch.setitem(fused_linear.GEMV, "probe", (2, 512, (4,) * (GEMV_MAX_ROWS + 2)))
@@ -268,13 +269,15 @@ def test_launch_plan_gemv_rows(monkeypatch):
     monkeypatch.setitem(fused_linear.GEMV, "probe", (16, 1024, (4,)))
     assert _plan(torch.zeros(1, 1024), 1024, "probe")[1]["BLOCK_K"] < 1024
     monkeypatch.delitem(fused_linear.GEMV, "probe")
-    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, set())]:
+    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, {"dyht_add"}),
+                      (4, {"dyht_add"}), (5, set())]:
         x = torch.zeros(rows, 96, dtype=torch.bfloat16)
         for op in GEMV:
             n, plan = _plan(x, 96, op)
             assert (plan is not None) == (op in ops), (rows, op)
             if plan:
-                assert plan["GEMV"] and plan["BLOCK_M"] == rows and plan["BLOCK_K"] == 128 and not plan["EVEN_K"]
+                assert plan["GEMV"] and plan["BLOCK_M"] == {3: 4}.get(rows, rows)
+                assert plan["BLOCK_K"] == 128 and not plan["EVEN_K"]
             else:
                 assert n == TILE_N
 
@@ -301,6 +304,30 @@ def test_gemv_whole_k_tile_and_k_tiles(monkeypatch, budget, t):
     args = (x, w, pos, 1, 1, one, one, one, one, rope)
     for g, r in zip(on_dev(linear_qk_norm_rope_triton, *args), linear_qk_norm_rope_unfused(*args)):
         close(g, r, dt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("t,k,post", [(3, 1024, True), (4, 1024, False), (3, 3072, False), (4, 3000, True)])
+def test_gemv_o_proj_and_down_at_three_and_four_rows(monkeypatch, t, k, post, early, dtype):
+    """o_proj's and down's K (1,024 with the post-DyHT, 3,072; 3,000 fits no K tile) at three
+    and four rows through the CUDA-core path's 4-row kernel, with all of K in one tile before
+    the PDL wait and (no budget) in K tiles after it, against the unfused op; an odd column
+    count leaves the last program a masked weight row. Every row differs, so a row dropped or
+    put in another's place shows."""
+    from asynct.ops import fused_linear
+    if not early:
+        monkeypatch.setattr(fused_linear, "GEMV_EARLY_ELEMENTS", 0)
+    gen, n = torch.Generator().manual_seed(t * k), 41
+    x = rand(t, k + 3, gen=gen, dtype=dtype)[:, 1:k + 1]       # rows strided as a view's are
+    w, res = rand(n, k, gen=gen, dtype=dtype, scale=0.05), rand(t, n, gen=gen, dtype=dtype)
+    plan = fused_linear._plan(x, k, "dyht_add")[1]
+    assert plan["GEMV"] and plan["BLOCK_M"] == 4 and (plan["BLOCK_K"] >= k) == early
+    a, dw = norm_params(n, True, gen)
+    pa, pw = norm_params(n, False, gen) if post else (None, None)
+    got = on_dev(linear_dyht_add_triton, x, w, res, a, dw, pa, pw)
+    for g, r in zip(got, linear_dyht_add_unfused(x, w, res, a, dw, pa, pw)):
+        close(g, r, dtype)
 
 
 def test_dispatch_off_gpu_is_the_reference():

@@ -24,8 +24,10 @@ WARMUP_TOKENS = ops.SMALL_M + 1
 
 def warmup_token_counts() -> tuple[list[int], list[int]]:
     """(the warm-up's forwards, its QKV calls without the KV store), in tokens: every count the
-    fused linears' CUDA-core path takes (1-2), the first past it and SMALL_M (their dot tiles
-    at both row tiles), one past SMALL_M (the unfused ops, the KV write)."""
+    fused linears' CUDA-core path may take (1 to GEMV_MAX_ROWS: each has its warps), the first
+    past it and SMALL_M (every op's dot tiles at both row tiles; an op the GEMV serves at fewer
+    rows reaches its 16-row tiles at that first count too), one past SMALL_M (the unfused ops,
+    the KV write)."""
     first_dot = ops.GEMV_MAX_ROWS + 1
     gemv_and_dots = [*range(1, first_dot + 1), ops.SMALL_M]
     return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots

@@ -27,8 +27,9 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # of 50 configs, then in whole steps; benchmarks/RESULTS.md): (weight rows a program, K tile,
 # warps at 1, 2, ... activation rows: as many rows as it serves). gate/up loses at two rows
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
-GEMV = {"qkv": (8, 512, (4, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4))}
-GEMV_MAX_ROWS = 2   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
+# o_proj/down at 3-4 rows: not GPU-run yet (4 warps; their dot tiles: batch-4 steps 0.99 ms).
+GEMV = {"qkv": (8, 512, (4, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4, 4, 4))}
+GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Weights a GEMV program may load as one K tile, before its PDL wait (_gemv_rows): 16 KB of
 # bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at
 # 2), K tiles after the wait.
@@ -118,8 +119,7 @@ def _tiles(x, k, tiles):
 
 
 def _half(rows, plan):
-    """A paired op's (RoPE, ReGLU) rows of each half a program: half its GEMV rows, or half a
-    dot tile (HALF_TILE: benchmarks change it)."""
+    """A paired op's rows of each half a program: half its GEMV rows, or HALF_TILE (benchmarks set it)."""
     return rows // 2 if plan else HALF_TILE
 
 
@@ -135,8 +135,8 @@ def _plan(x, k, op):
     whole = triton.next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
     block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
-    return rows, dict(BLOCK_M=m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION="ieee",
-                      num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
+    return rows, dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+                      PRECISION="ieee", num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
 
 
 def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
