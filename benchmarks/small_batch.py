@@ -4,12 +4,12 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
         [--modes unfused,...,fused]
 
-1. Each layer op at 1, 2, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the L2
-   prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
+1. Each layer op at 1, 2, 3, 4, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the
+   L2 prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
    enough distinct weight copies that every replay reads HBM (as 35 layers do), with the
    bandwidth its weights achieve. --sweep adds the dot tiles' configs at 1 and 32 rows (BLOCK_K,
-   stages, warps, weight rows per program) and the CUDA-core path's at 1 and 2 rows (weight
-   rows per program, K tile, warps).
+   stages, warps, weight rows per program) and the CUDA-core path's at 1 to 4 rows (weight
+   rows per program, K tile, warps), for every op.
 2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48, context 384,
    for an engine with the fused linears, one with them but without programmatic dependent
    launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
@@ -118,14 +118,16 @@ def gemv(op, rows, block_k, warps):
         fl.GEMV = orig
 
 
-# (weight rows a program, K tile, warps) of the CUDA-core path, swept at 1 and 2 rows
+# (weight rows a program, K tile, warps) of the CUDA-core path, swept at 1 to fl.GEMV_MAX_ROWS rows
 GEMV_SWEEP = [(r, bk, w) for r in (2, 4, 8, 16) for bk in (512, 1024, 4096) for w in (4, 8) if r * bk <= 16384]
 GEMV_OPS = {"qkv+norm+rope": "qkv", "o+dyht_add": "dyht_add", "gate_up+reglu": "reglu", "down+dyht_add": "dyht_add"}
 def gemv_configs(op, k, m):
     """GEMV_SWEEP's configs as the plan runs them, each once: its K tile is all of K wherever
-    the rows fit fused_linear.GEMV_EARLY_ELEMENTS, whatever the config asks."""
+    the rows fit fused_linear.GEMV_EARLY_ELEMENTS, whatever the config asks. Past two rows at
+    most 8 weight rows a program: four accumulators of 16 would not fit in registers (8 x 2,048
+    at 4 warps already spills: sm_90 compile)."""
     runs = {}
-    for r, bk, w in GEMV_SWEEP:
+    for r, bk, w in (c for c in GEMV_SWEEP if m <= 2 or c[0] <= 8):
         with gemv(op, r, bk, w):
             runs.setdefault((r, fl._plan(torch.zeros(m, k), k, op)[1]["BLOCK_K"], w), None)
     return list(runs)
@@ -163,7 +165,7 @@ def ops_table(copy_bw, sweep):
     print("\nop | rows | unfused us | fused, no PDL us | no L2 prefetch us | dot tiles us | fused us | fused TB/s | "
           "of copy BW | unfused / fused | no PDL / fused | no prefetch / fused | dot tiles / fused")
     configs = SWEEP if sweep else []
-    for m in (1, 2, 8, 16, 24, fl.SMALL_M):
+    for m in (1, 2, 3, 4, 8, 16, 24, fl.SMALL_M):
         for name, shape, fn in op_cases(m):
             with unfused():
                 t_u, _ = time_op(fn, shape, m)
