@@ -12,7 +12,6 @@ from asynct.attention import StepInputs
 from asynct.engine.cuda_graph import CudaGraphRunner
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampling_profile import sample_dummy_rows
-from asynct.ops.argmax import warmup_argmax
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -90,7 +89,7 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
         without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        then the attention variants none can reach, the penalties' and the argmax's kernels."""
+        then the attention variants none can reach, and the penalties' kernel."""
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -104,7 +103,6 @@ class RunnerStartup:
                                                   self.model.cos_sin_cache, write_kv=False)
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         warmup_penalties(self.config.vocab_size, self.device)
-        warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
 
     def profile_step(self) -> StepInputs:

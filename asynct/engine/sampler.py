@@ -7,7 +7,6 @@ import torch
 from asynct.attention.base import host_to_device
 from asynct.engine.penalties import adjust_logits
 from asynct.engine.sequence import Sequence
-from asynct.ops.argmax import argmax
 
 
 def _filter_top_k_top_p_min_p(logits, seqs):
@@ -78,14 +77,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sa
     logits = adjust_logits(suppress_stops(logits, seqs, eos_token_ids), seqs, prev_sampled, penalty_counts)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
-        return argmax(logits)
+        return logits.argmax(-1)
     logits = logits.float()
     temps = host_to_device([s.params.temperature or 1.0 for s in seqs], torch.float32, logits.device)
     scaled = _filter_top_k_top_p_min_p(logits / temps[:, None], seqs)
     probs = scaled.softmax(-1)
-    sampled = argmax(probs / _exponential_noise(probs, seqs))
+    sampled = (probs / _exponential_noise(probs, seqs)).argmax(-1)
     if any(greedy):
-        sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), argmax(logits), sampled)
+        sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), logits.argmax(-1), sampled)
     return sampled
 
 
