@@ -85,7 +85,7 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (5, 3, 1, 16, 4), (16, 2, 2, 64, 16),
+@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (4, 4, 2, 32, 16), (5, 3, 1, 16, 4), (16, 2, 2, 64, 16),
                                           (24, 2, 1, 32, 16)])
 def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     """Given the cache and slots, the fused QKV kernel stores k and v itself, as the unfused
@@ -269,8 +269,8 @@ def test_launch_plan_gemv_rows(monkeypatch):
     monkeypatch.setitem(fused_linear.GEMV, "probe", (16, 1024, (4,)))
     assert _plan(torch.zeros(1, 1024), 1024, "probe")[1]["BLOCK_K"] < 1024
     monkeypatch.delitem(fused_linear.GEMV, "probe")
-    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, {"dyht_add"}),
-                      (4, {"dyht_add"}), (5, set())]:
+    for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, {"qkv", "dyht_add"}),
+                      (4, {"qkv", "dyht_add"}), (5, set())]:
         x = torch.zeros(rows, 96, dtype=torch.bfloat16)
         for op in GEMV:
             n, plan = _plan(x, 96, op)

@@ -27,8 +27,9 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # of 50 configs, then in whole steps; benchmarks/RESULTS.md): (weight rows a program, K tile,
 # warps at 1, 2, ... activation rows: as many rows as it serves). gate/up loses at two rows
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
-# o_proj/down at 3-4 rows (4 warps, untuned): batch-4 steps 1.07x faster than on dot tiles.
-GEMV = {"qkv": (8, 512, (4, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4, 4, 4))}
+# At 3-4 rows (untuned warps) batch-4 steps ran 1.07x faster with o_proj/down off their dot
+# tiles, QKV's a further 1.01x (1.016 -> 0.997-1.002 ms with both and the joined reduction).
+GEMV = {"qkv": (8, 512, (4, 8, 8, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4, 4, 4))}
 GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Weights a GEMV program may load as one K tile, before its PDL wait (_gemv_rows): 16 KB of
 # bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at

@@ -90,9 +90,8 @@ def _row_sums(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
         out = tl.sum(acc0, axis=1)[None, :]
     elif BLOCK_M == 2:
         out = tl.trans(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)))
-    else:   # [rows, 2, 2], row i at [:, i % 2, i // 2]
-        out = tl.join(tl.join(tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)),
-                      tl.join(tl.sum(acc2, axis=1), tl.sum(acc3, axis=1)))
+    else:   # one reduction of [rows, K, 2, 2] (4 CTA barriers, not 4 sums' 13); row i at [:, i % 2, i // 2]
+        out = tl.sum(tl.join(tl.join(acc0, acc1), tl.join(acc2, acc3)), axis=1)
         out = tl.reshape(tl.permute(out, (2, 1, 0)), (4, acc0.shape[0]))
     return out
 
