@@ -85,8 +85,8 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (4, 4, 2, 32, 16), (5, 3, 1, 16, 4), (16, 2, 2, 64, 16),
-                                          (24, 2, 1, 32, 16)])
+@pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (3, 4, 2, 32, 16), (4, 4, 2, 32, 16),
+                                          (5, 3, 1, 16, 4), (16, 2, 2, 64, 16), (24, 2, 1, 32, 16)])
 def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     """Given the cache and slots, the fused QKV kernel stores k and v itself, as the unfused
     path + the cache write would (padding slots -1 store nothing; FP8 scales per channel)."""
@@ -257,13 +257,15 @@ def test_launch_plan_row_tiles_and_shared_memory():
 
 def test_launch_plan_gemv_rows(monkeypatch):
     """The CUDA-core path where it won: one row for every op, two for all but gate/up, three
-    and four (in the 4-row kernel) for o_proj/down, dot tiles of 16 weight rows past that; its
-    K tile never wider than K needs; never more rows than the kernel has accumulators for,
-    whatever the table says."""
+    and four (in the 4-row kernel) for QKV and o_proj/down where K is no wider than
+    GEMV_WIDE_ROWS_MAX_K, dot tiles of 16 weight rows past that; its K tile never wider than K
+    needs; never more rows than the kernel has accumulators for, whatever the table says."""
     from asynct.ops import fused_linear
     from asynct.ops.fused_linear import GEMV, GEMV_MAX_ROWS, TILE_N, _plan
     monkeypatch.setitem(fused_linear.GEMV, "probe", (2, 512, (4,) * (GEMV_MAX_ROWS + 2)))
     assert _plan(torch.zeros(GEMV_MAX_ROWS + 1, 96), 96, "probe")[1] is None
+    wide = fused_linear.GEMV_WIDE_ROWS_MAX_K + 1
+    assert _plan(torch.zeros(2, wide), wide, "probe")[1] and _plan(torch.zeros(3, wide), wide, "probe")[1] is None
     assert _plan(torch.zeros(GEMV_MAX_ROWS, 96), 96, "probe")[1]["BLOCK_M"] == GEMV_MAX_ROWS
     # rows past GEMV_EARLY_ELEMENTS take K tiles after the wait, even if the table's tile holds K
     monkeypatch.setitem(fused_linear.GEMV, "probe", (16, 1024, (4,)))

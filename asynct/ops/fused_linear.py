@@ -27,10 +27,13 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # of 50 configs, then in whole steps; benchmarks/RESULTS.md): (weight rows a program, K tile,
 # warps at 1, 2, ... activation rows: as many rows as it serves). gate/up loses at two rows
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
-# At 3-4 rows (untuned warps) batch-4 steps ran 1.07x faster with o_proj/down off their dot
-# tiles, QKV's a further 1.01x (1.016 -> 0.997-1.002 ms with both and the joined reduction).
+# At 3-4 rows (untuned warps) o_proj/down off their dot tiles took batch-4 steps from 1.066 to
+# 0.998 ms (with a since-reverted argmax in the run); QKV's and the joined reduction 1.01-1.02x.
 GEMV = {"qkv": (8, 512, (4, 8, 8, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4, 4, 4))}
 GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
+# Past two rows only up to this K: four accumulators of a wider K spill (sm_90: down at K 11,008
+# 92 B, at 14,336 766 B a thread), measured at bench-0.6b's K of 1,024-3,072 only
+GEMV_WIDE_ROWS_MAX_K = 8192
 # Weights a GEMV program may load as one K tile, before its PDL wait (_gemv_rows): 16 KB of
 # bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at
 # 2), K tiles after the wait.
@@ -131,7 +134,7 @@ def _plan(x, k, op):
     GEMV_EARLY_ELEMENTS, else the table's."""
     rows, block_k, warps = GEMV[op]
     m = x.shape[0]
-    if m > min(len(warps), GEMV_MAX_ROWS):
+    if m > min(len(warps), GEMV_MAX_ROWS) or (m > 2 and k > GEMV_WIDE_ROWS_MAX_K):
         return TILE_N, None
     whole = triton.next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
