@@ -1,8 +1,8 @@
 """Kernel timings on the GPU against the device's copy bandwidth and torch SDPA, measured in
 the same run. Seed-model shapes: 8 query / 4 KV heads of 128, bf16, hidden 1024, inter 3072.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [elementwise] [decode] [prefill] [--sweep] [--no-cuda]
-    (default: all three)
+    PYTHONPATH=. python3 benchmarks/kernels.py [elementwise] [decode] [prefill] [argmax] [--sweep] [--no-cuda]
+    (default: the first three)
 
 Each timing replays a CUDA graph that runs the op once on each of several input sets, so the
 inputs together are several times the 60 MB L2 (every op reads HBM) and launch gaps are the
@@ -190,17 +190,31 @@ def elementwise(copy_bw):
                 copy_bw)
 
 
+def greedy_argmax(copy_bw, vocab=151936):
+    """Greedy sampling's argmax of bf16 logits rows; the peer column is torch.argmax's time."""
+    for r in (1, 8, 32, 256):
+        sets = [torch.randn(r, vocab, device="cuda", dtype=BF) for _ in range(n_sets(2 * r * vocab))]
+        nbytes = 2 * r * vocab
+        t_torch = bench([lambda x=x: x.argmax(-1) for x in sets])
+        add("argmax", f"[{r},{vocab}]", "torch", t_torch, nbytes, 0.0, t_torch, copy_bw)
+        try_add("argmax", f"[{r},{vocab}]", "triton", [lambda x=x: ops.argmax(x) for x in sets], nbytes, 0.0,
+                t_torch, copy_bw)
+
+
+GROUPS = ("elementwise", "decode", "prefill", "argmax")
+
+
 def main():
     sweep = "--sweep" in sys.argv
-    ops = [a for a in sys.argv[1:] if not a.startswith("--")] or ["elementwise", "decode", "prefill"]
-    if set(ops) - {"elementwise", "decode", "prefill"}:
-        sys.exit(f"ops to time: elementwise, decode, prefill; got {' '.join(ops)}")
+    groups = [a for a in sys.argv[1:] if not a.startswith("--")] or ["elementwise", "decode", "prefill"]
+    if set(groups) - set(GROUPS):
+        sys.exit(f"ops to time: {', '.join(GROUPS)}; got {' '.join(groups)}")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.2f} TB/s (read + write)")
-    for name in ops:
+    for name in groups:
         {"elementwise": elementwise, "decode": lambda bw: decode(bw, sweep),
-         "prefill": lambda bw: prefill(bw, sweep)}[name](copy_bw)
+         "prefill": lambda bw: prefill(bw, sweep), "argmax": greedy_argmax}[name](copy_bw)
     print("\n| op | shape | kernel | time (us) | TB/s | TFLOP/s | / copy BW | SDPA time / time |")
     print("|---|---|---|---|---|---|---|---|")
     for op, shape, kern, us, bw, tf, vs_copy, vs_peer in rows:

@@ -15,8 +15,9 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
    write to the attention backend, one whose linears do not prefetch their weights into L2
    while the kernel before runs, one whose linears take dot tiles at every row count (no
-   GEMV), and one without fused linears, against the step's roofline: weights + KV read once at
-   the copy bandwidth."""
+   GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, and one
+   without fused linears, against the step's roofline: weights + KV read once at the copy
+   bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -28,6 +29,7 @@ from kernels import bench, copy_bandwidth, n_sets
 from profile_decode import fill_decodes, mean_step
 
 from asynct import LLM
+from asynct.engine import cuda_graph
 from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
 from asynct.ops import _triton, fused_linear as fl
@@ -216,8 +218,20 @@ def engine_steps(model, mode, batches, context):
     return out, weights, kv_per_token
 
 
+@contextlib.contextmanager
+def hidden_state_graphs():
+    """Decode graphs that leave the hidden states: the LM head and argmax eager, as before 2026-12-02."""
+    real = cuda_graph.SAMPLING_MAX_BS
+    cuda_graph.SAMPLING_MAX_BS = 0
+    try:
+        yield
+    finally:
+        cuda_graph.SAMPLING_MAX_BS = real
+
+
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
-         "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "fused": contextlib.nullcontext}
+         "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
+         "fused": contextlib.nullcontext}
 
 
 def steps_table(model, copy_bw, names, context=384):

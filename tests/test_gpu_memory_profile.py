@@ -85,7 +85,8 @@ def test_the_profile_samples_a_full_batch_and_counts_the_penalty_rows_beside_the
     """A step forwards max_num_batched_tokens tokens over several prompts and samples up to
     min(max_num_seqs, max_num_batched_tokens) rows, more than one max_model_len prompt holds;
     and the penalty counts, once grown, stay beside every
-    later forward: the peak is the larger of forward + counts and the sampling's."""
+    later forward: the peak is the larger of forward + counts and the sampling's, plus the
+    decode graphs' static logits where graphs are captured."""
     llm = LLM(tiny_ckpt, device="cpu", max_num_seqs=48, max_num_batched_tokens=64, max_model_len=16,
               num_kv_blocks=64)
     runner = llm.llm_engine.runner
@@ -97,6 +98,9 @@ def test_the_profile_samples_a_full_batch_and_counts_the_penalty_rows_beside_the
     assert tokens == [64] and rows == [48] and peak == max(10**6 + counts, 2 * 10**6)
     peak, _ = profile_on_cpu(monkeypatch, llm, [10**6, 10**4])
     assert peak == 10**6 + counts
+    runner.cudagraph_mode = "full_decode_only"     # + the sampling graphs' logits (32 fp32 rows), argmax
+    peak, _ = profile_on_cpu(monkeypatch, llm, [10**6, 10**4])
+    assert peak == 10**6 + counts + 32 * (llm.llm_engine.vocab_size * 4 + 8)
 
 
 def test_the_profiled_step_packs_the_budget_into_prompts_of_max_model_len(tiny_ckpt):

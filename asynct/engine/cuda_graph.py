@@ -1,16 +1,37 @@
 """CUDA graphs for decode-only steps: one graph per batch size of a ladder up to max_num_seqs;
 a step replays the smallest graph that holds it, padded with empty sequences. The attention
 backend owns the static metadata buffers (init_capture / prepare_for_capture / prepare_for_replay).
-Logits stay outside the graph: only the sampling rows need them."""
+
+Graphs of up to SAMPLING_MAX_BS sequences also run the LM head and the greedy argmax, into static
+buffers: at such sizes a step is bound by launches, and eagerly the two cost the host ~100 us of
+launch work a step and the GPU the gaps between them (H200, benchmarks/RESULTS.md). Larger
+graphs leave the hidden states: their logits would hold [max_num_seqs, vocab] for good."""
+from typing import NamedTuple
+
 import torch
 
+from asynct import ops
 from asynct.engine.context import reset_context, set_context
+
+SAMPLING_MAX_BS = 32
+
+
+class GraphLogits(NamedTuple):
+    """A sampling graph's outputs: the rows' logits and their argmax (static buffers, which the
+    next replay of any sampling graph overwrites)."""
+    logits: torch.Tensor
+    greedy: torch.Tensor
 
 
 def batch_size_ladder(max_num_seqs: int) -> list[int]:
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
     sizes += list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
+
+
+def sampling_buffer_bytes(max_num_seqs: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """The static logits and argmax of the sampling graphs (the start-up profile counts them)."""
+    return min(max_num_seqs, SAMPLING_MAX_BS) * (vocab_size * dtype.itemsize + 8)
 
 
 def capture_graph(owner, fn) -> torch.cuda.CUDAGraph:
@@ -39,6 +60,9 @@ class CudaGraphRunner:
         dev = runner.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
         self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
+        rows = min(self.max_bs, SAMPLING_MAX_BS)
+        self.logits = torch.empty(rows, runner.config.vocab_size, dtype=runner.dtype, device=dev)
+        self.greedy = torch.zeros(rows, dtype=torch.long, device=dev)
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
         runner.backend.init_capture(self.max_bs, max_blocks, runner.max_model_len, dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -54,7 +78,11 @@ class CudaGraphRunner:
         for bs in reversed(self.sizes):
             set_context(backend.prepare_for_capture(bs))
             def forward(bs=bs):
-                self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs])
+                hidden = model(self.input_ids[:bs], self.positions[:bs])
+                if bs > SAMPLING_MAX_BS:
+                    self.outputs[bs] = hidden
+                    return
+                ops.argmax(model.compute_logits(hidden, out=self.logits[:bs]), out=self.greedy[:bs])
             forward()   # warm-up
             self.graphs[bs] = capture_graph(self, forward)
             reset_context()
@@ -72,4 +100,6 @@ class CudaGraphRunner:
         self.positions[n:bs].zero_()
         self.backend.prepare_for_replay(metadata, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        if bs > SAMPLING_MAX_BS:
+            return self.outputs[bs][:n]
+        return GraphLogits(self.logits[:n], self.greedy[:n])

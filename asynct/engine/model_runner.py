@@ -11,9 +11,10 @@ import torch
 from asynct.attention import StepInputs, resolve_backend
 from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.context import reset_context, set_context
+from asynct.engine.cuda_graph import GraphLogits
 from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.runner_startup import RunnerStartup
-from asynct.engine.sampler import sample
+from asynct.engine.sampler import sample, takes_raw_argmax
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import (LaunchedStep, StepOutput, entries, logprob_parts, logprob_tensors,
                                        to_host)
@@ -55,7 +56,10 @@ class ModelRunner(RunnerStartup):
         if self.device.type == "cuda":
             self._compile_ahead()
         self.max_num_seqs = max_num_seqs
-        self.last_sampled = None     # the previous step's sampled tokens, on the device
+        # the previous step's sampled tokens, on the device; a sampling graph's argmax buffer,
+        # which the next replay overwrites, only after a step whose every row took the raw
+        # argmax: no row of the next step then has penalties or bad words that read them later
+        self.last_sampled = None
         self.penalty_counts = PenaltyCounts(rows_hint=max_num_seqs + 1)
         self.timed = False           # record device time per step (benchmarks)
 
@@ -121,7 +125,8 @@ class ModelRunner(RunnerStartup):
                             events, time.perf_counter() - t0, sum(step.seq_lens))
 
     def _run_model(self, input_ids, positions, metadata, batch):
-        """(final hidden states, step kind): a full decode graph, piecewise graphs, or eager."""
+        """(final hidden states, step kind): a full decode graph (which may leave GraphLogits
+        instead), piecewise graphs, or eager."""
         if self.graphs is not None and self.graphs.can_run(metadata):
             return self.graphs.run(input_ids, positions, metadata), "graph"
         if self.piecewise is not None and self.piecewise.can_run(metadata):
@@ -136,12 +141,16 @@ class ModelRunner(RunnerStartup):
         return start, end
 
     def _sample(self, batch, hidden, qsl):
-        """Samples and logprobs of the rows that sample or score prompt tokens, queued to the
-        host. Returns (sampling batch rows, prompt-logprob rows, host copies)."""
+        """Samples and logprobs of the rows that sample or score prompt tokens (from the hidden
+        states, or a sampling graph's GraphLogits), queued to the host. Returns (sampling batch rows, prompt-logprob rows, host copies)."""
         samplers = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                     if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
+        host = {}
+        if isinstance(hidden, GraphLogits):    # a decode step: every row samples
+            self._sample_rows(batch, samplers, hidden.logits, host, hidden.greedy)
+            return samplers, [], host
         prompt_rows = self._prompt_logprob_rows(batch, qsl)
-        rows, host = [qsl[i + 1] - 1 for i in samplers], {}
+        rows = [qsl[i + 1] - 1 for i in samplers]
         if not prompt_rows and rows == list(range(hidden.shape[0])):
             # decode steps: every row samples
             self._sample_rows(batch, samplers, self.model.compute_logits(hidden), host)
@@ -153,10 +162,13 @@ class ModelRunner(RunnerStartup):
                 host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, hidden, index[len(rows):])
         return samplers, prompt_rows, host
 
-    def _sample_rows(self, batch, samplers, logits, host):
+    def _sample_rows(self, batch, samplers, logits, host, greedy=None):
+        """`greedy`: the logits' argmax, where a sampling graph made it."""
         seqs = [batch.seqs[i] for i in samplers]
-        # before last_sampled is replaced: it holds the pending tokens the penalties count
-        sampled = sample(logits, seqs, self.eos_token_ids, self.last_sampled, self.penalty_counts)
+        if greedy is not None and takes_raw_argmax(seqs):
+            sampled = greedy
+        else:   # before last_sampled is replaced: it holds the pending tokens the penalties count
+            sampled = sample(logits, seqs, self.eos_token_ids, self.last_sampled, self.penalty_counts)
         self.last_sampled = sampled
         host["tokens"] = to_host(sampled)
         host["logprobs"] = self._logprob_tensors(logits, sampled, seqs)

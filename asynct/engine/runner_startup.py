@@ -9,9 +9,10 @@ import torch
 
 from asynct import ops
 from asynct.attention import StepInputs
-from asynct.engine.cuda_graph import CudaGraphRunner
+from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampling_profile import sample_dummy_rows
+from asynct.ops.argmax import warmup_argmax
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -89,7 +90,7 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
         without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        then the attention variants none can reach, and the penalties' kernel."""
+        then the attention variants none can reach, the penalties' and the argmax's kernels."""
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -103,6 +104,7 @@ class RunnerStartup:
                                                   self.model.cos_sin_cache, write_kv=False)
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         warmup_penalties(self.config.vocab_size, self.device)
+        warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
 
     def profile_step(self) -> StepInputs:
@@ -123,7 +125,8 @@ class RunnerStartup:
     def profile_activation_memory(self) -> int:
         """Peak bytes a full-budget step needs beyond the weights (over a scratch cache): its
         prefill's forward, beside the penalty counts a run keeps once penalised, or the sampling
-        of a full batch of rows from its hidden states, which stay alive meanwhile."""
+        of a full batch of rows from its hidden states, which stay alive meanwhile; and the
+        decode graphs' static logits, allocated after the cache."""
         step = self.profile_step()
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
@@ -137,7 +140,9 @@ class RunnerStartup:
         sampling = torch.cuda.max_memory_allocated(self.device) - base   # counts made in it
         del hidden      # before the cache is emptied: its block would stay reserved, counted as used
         self._release_kv_cache()
-        return max(forward + self.penalty_counts.full_bytes(self.config.vocab_size), sampling)
+        graphs = (sampling_buffer_bytes(self.max_num_seqs, self.config.vocab_size, self.dtype)
+                  if self.cudagraph_mode != "none" else 0)
+        return max(forward + self.penalty_counts.full_bytes(self.config.vocab_size), sampling) + graphs
 
     def _release_kv_cache(self):
         self.kv_cache = None

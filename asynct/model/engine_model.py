@@ -121,6 +121,10 @@ class AsyncTEngineModel(nn.Module):
             residual, n = layer(positions, n, residual, next_norm, self.cos_sin_cache)
         return n
 
-    def compute_logits(self, hidden):
+    def compute_logits(self, hidden, out=None):
+        """Logits [T, V] of final-normed hidden states, into `out` where given (a decode graph's
+        static buffer)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight)
+        if out is None:
+            return torch.nn.functional.linear(hidden, weight)
+        return torch.mm(hidden, weight.t(), out=out)

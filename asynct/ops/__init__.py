@@ -5,6 +5,7 @@ import warnings
 
 import torch
 
+from asynct.ops.argmax import argmax, argmax_ref, argmax_triton
 from asynct.ops.asynci_decode import asynci_decode, asynci_decode_triton
 from asynct.ops.asynci_prefill import asynci_prefill, asynci_prefill_triton
 from asynct.ops.dyht import dyht, dyht_add, dyht_add_ref, dyht_add_triton, dyht_ref, dyht_triton
@@ -22,6 +23,7 @@ if torch.cuda.is_available() and importlib.util.find_spec("triton") is None:
     warnings.warn("triton is not installed: asynct.ops runs its slow torch references on CUDA")
 
 __all__ = [
+    "argmax", "argmax_ref", "argmax_triton",
     "asynci_decode", "asynci_decode_ref", "asynci_decode_triton",
     "asynci_prefill", "asynci_prefill_ref", "asynci_prefill_triton",
     "dyht", "dyht_add", "dyht_add_ref", "dyht_add_triton", "dyht_ref", "dyht_triton",
