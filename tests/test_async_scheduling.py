@@ -163,17 +163,18 @@ def test_a_reused_request_id_gets_no_output_of_the_step_left_in_flight(tiny_ckpt
 def test_a_steady_decode_step_takes_its_samples_as_input_ids(tiny_ckpt, monkeypatch):
     """While every row continues in its row of the step before, the step's input ids are that
     step's samples themselves (no upload, no gather); once a sequence ends the rows shift and
-    are gathered. Tokens as the synchronous engine's either way."""
+    are gathered. Tokens as the synchronous engine's either way. (Eager steps: decode graphs
+    have their own, test_sampling_graphs.py.)"""
     prompts = [{"prompt_token_ids": [1 + i, 2, 3, 4, 5]} for i in range(3)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (8, 3, 8)]
-    llms = engines(tiny_ckpt)
+    llms = engines(tiny_ckpt, enforce_eager=True)
     runner = llms["async"].llm_engine.runner
     taken, run_model = [], runner._run_model
 
-    def spy(input_ids, positions, metadata, batch):
+    def spy(inputs, metadata, batch):
         last = runner.last_sampled
-        taken.append(last is not None and input_ids.data_ptr() == last.data_ptr())
-        return run_model(input_ids, positions, metadata, batch)
+        taken.append(last is not None and inputs[0].data_ptr() == last.data_ptr())
+        return run_model(inputs, metadata, batch)
     monkeypatch.setattr(runner, "_run_model", spy)
     got = {mode: llm.generate(prompts, params, use_tqdm=False) for mode, llm in llms.items()}
     assert summary(got["async"]) == summary(got["sync"])

@@ -1,14 +1,16 @@
-"""Small decode graphs run the LM head and the greedy argmax themselves (engine/cuda_graph.py):
-the runner takes their argmax for steps whose every row would take the raw logits' argmax, and
-samples from their logits otherwise. Outputs equal an engine's whose graphs leave the hidden
-states, for every sampling option, under async scheduling. On the CPU a stand-in replays the
-same contract: static buffers that every replay overwrites."""
+"""Decode graphs (engine/cuda_graph.py) take their inputs from static buffers that the backend
+fills in one copy a step, and small ones run the LM head and the greedy argmax themselves, into
+their input ids: the runner takes that argmax for steps whose every row would take the raw
+logits' argmax, and samples from their logits otherwise. Outputs equal eager steps', for every
+sampling option, under async scheduling. On the CPU the graphs' runner itself runs each replay
+eagerly: the same buffers, copies and outputs, without the capture."""
 import pytest
 import torch
 
-from asynct import LLM, SamplingParams, ops
+from asynct import LLM, SamplingParams
 from asynct.engine import cuda_graph, model_runner
-from asynct.engine.cuda_graph import GraphLogits
+from asynct.engine.context import reset_context, set_context
+from asynct.engine.cuda_graph import CudaGraphRunner
 
 from test_async_scheduling import mixed_params, summary
 from test_engine import random_prompts
@@ -16,23 +18,19 @@ from test_engine import random_prompts
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-class StaticSamplingGraphs:
-    """A sampling graph's contract on the CPU: the forward, then logits and their argmax into
-    static buffers, which the next run overwrites (a replay does)."""
+class EagerReplays(CudaGraphRunner):
+    """CudaGraphRunner whose replays run the graph's work eagerly (on the CPU: no capture)."""
 
-    def __init__(self, runner, rows):
-        self.runner, self.rows, self.runs = runner, rows, 0
-        self.logits = torch.full((rows, runner.config.vocab_size), float("nan"))
-        self.greedy = torch.full((rows,), -1, dtype=torch.long)
+    def capture(self):
+        self.replays = 0
 
-    def can_run(self, metadata) -> bool:
-        return metadata.num_prefills == 0 and 0 < metadata.num_decodes <= self.rows
-
-    def run(self, input_ids, positions, metadata):
-        n, self.runs = metadata.num_decodes, self.runs + 1
-        hidden = self.runner._forward(input_ids, positions, metadata)
-        ops.argmax(self.runner.model.compute_logits(hidden, out=self.logits[:n]), out=self.greedy[:n])
-        return GraphLogits(self.logits[:n], self.greedy[:n])
+    def replay(self, bs, metadata):
+        self.replays += 1
+        set_context(metadata)
+        try:
+            self.forward(bs)
+        finally:
+            reset_context()
 
 
 def mixed_workload(llm):
@@ -53,23 +51,32 @@ def generate(llm, prompts, params, eos):
     return summary(llm.generate(prompts, params, use_tqdm=False))
 
 
-def test_a_static_sampling_graph_gives_every_option_the_tokens_of_eager_steps(tiny_ckpt, monkeypatch):
+@pytest.mark.parametrize("sampling_max", [cuda_graph.SAMPLING_MAX_BS, 2])
+def test_graph_steps_give_every_option_the_tokens_of_eager_steps(tiny_ckpt, monkeypatch, sampling_max):
+    """max_num_seqs 8: graphs of 1, 2, 4 and 8 rows, padded; with sampling_max 2 the larger two
+    leave hidden states."""
+    monkeypatch.setattr(cuda_graph, "SAMPLING_MAX_BS", sampling_max)
     # a device copy snapshots the buffer when it runs; on the CPU to_host would hand out the buffer
     monkeypatch.setattr(model_runner, "to_host", lambda t: t.clone())
-    llms = [LLM(tiny_ckpt, device="cpu", max_num_seqs=8, num_kv_blocks=300) for _ in range(2)]
+    llms = [LLM(tiny_ckpt, device="cpu", attention_backend="triton", max_num_seqs=8, num_kv_blocks=300)
+            for _ in range(2)]
     prompts, params, eos = mixed_workload(llms[0])
-    stand_in = llms[1].llm_engine.runner.graphs = StaticSamplingGraphs(llms[1].llm_engine.runner, 8)
+    runner = llms[1].llm_engine.runner
+    graphs = runner.graphs = EagerReplays(runner, 8)
     from_graph = []     # per call of `sample`: whether it sampled a graph's logits
     real = model_runner.sample
     monkeypatch.setattr(model_runner, "sample", lambda logits, seqs, *a: from_graph.append(
-        logits.data_ptr() == stand_in.logits.data_ptr()) or real(logits, seqs, *a))
+        logits.data_ptr() == graphs.logits.data_ptr()) or real(logits, seqs, *a))
     assert generate(llms[1], prompts, params, eos) == generate(llms[0], prompts, params, eos)
-    assert stand_in.runs > 20 and any(from_graph)
+    assert graphs.replays > 20 and any(from_graph)
     from_graph.clear()
-    before = stand_in.runs
-    llms[1].generate(prompts[:6], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    # only steps with prefill tokens go through `sample`: decode steps take the graph's argmax
-    assert stand_in.runs - before >= 10 and from_graph and not any(from_graph)
+    before = graphs.replays
+    # plain greedy rows that end apart: each step's rows read the step before's argmax in place,
+    # until one ends and the rest are gathered from it
+    plain = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (9, 3, 12, 5, 12, 7)]
+    assert generate(llms[1], prompts[:6], plain, eos) == generate(llms[0], prompts[:6], plain, eos)
+    # steps with prefill tokens go through `sample`, decode steps not: the argmax, or eager logits
+    assert graphs.replays - before >= 10 and from_graph and not any(from_graph)
 
 
 @gpu
@@ -89,3 +96,20 @@ def test_sampling_graphs_give_the_tokens_of_graphs_that_leave_hidden_states(monk
         outs.append(generate(llm, prompts, params, eos))
         del llm
     assert outs[0] == outs[1]
+
+
+def test_graph_inputs_pack_each_part_16_byte_aligned_and_pad_empty_rows():
+    """One copy holds every part; an odd batch size must not leave a part 8-byte aligned (Triton
+    specialises pointers on 16). Rows past the step's: length 0, slot -1, position 0."""
+    import numpy as np
+
+    from asynct.attention import StepInputs
+    from asynct.attention.graph_inputs import GraphStepInputs
+    g = GraphStepInputs(3, 5, "cpu")
+    assert all(getattr(g, name).data_ptr() % 16 == 0 for name in ("positions", "slot_mapping", "seq_lens",
+                                                                   "prefix_len", "block_table"))
+    step = StepInputs([1, 1], [7, 20], [[4, 2], [9]], [33, 150], 2)
+    g.send(step, np.array([[4, 2], [9, 0]], dtype=np.int32), 16)
+    assert g.positions.tolist() == [6, 19, 0] and g.seq_lens.tolist() == [7, 20, 0]
+    assert g.slot_mapping.tolist() == [33, 150, -1] and g.prefix_len.tolist() == [16]
+    assert g.block_table[:2, :2].tolist() == [[4, 2], [9, 0]] and not g.block_table[2:].any()

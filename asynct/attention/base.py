@@ -163,14 +163,20 @@ class AttentionBackend(ABC):
         """Compiles, at start-up, every kernel variant a step can reach beyond what a plain
         forward exercises (so that nothing compiles while serving)."""
 
-    # CUDA-graph hooks: the backend owns the static metadata buffers that graphs read.
-    def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int, device):
+    # CUDA-graph hooks: the backend owns the static buffers that decode graphs read, the
+    # tokens' positions among them (a decode token's is its sequence's length less one).
+    def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, max_seq_len: int, block_size: int,
+                     device):
         raise NotImplementedError(f"backend {self.name!r} does not support CUDA graphs")
+
+    def graph_positions(self, batch_size: int) -> torch.Tensor:
+        raise NotImplementedError
 
     def prepare_for_capture(self, batch_size: int) -> AttentionMetadata:
         raise NotImplementedError
 
-    def prepare_for_replay(self, metadata: AttentionMetadata, batch_size: int) -> AttentionMetadata:
+    def prepare_for_replay(self, step: StepInputs, batch_size: int) -> AttentionMetadata:
+        """Sends a decode-only step's host inputs to the static buffers; its metadata over them."""
         raise NotImplementedError
 
 

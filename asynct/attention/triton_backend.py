@@ -4,8 +4,8 @@ Where every decoding sequence holds the same leading KV blocks (few-shot prompts
 prefix cache: lm-eval's gsm8k shares a 5-shot prefix across all 1,319 requests), decode reads
 that prefix once per tile of sequences instead of once per sequence (cascade attention).
 
-The CUDA-graph hooks keep static metadata buffers for decode-only steps: replay copies the real
-step's rows into them and pads the rest with empty sequences that write nowhere."""
+The CUDA-graph hooks keep static metadata buffers for decode-only steps (graph_inputs.py): replay
+sends the real step's rows there in one copy, the rest empty sequences that write nowhere."""
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,6 +14,7 @@ import torch
 from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
                                    host_to_device, register_backend)
+from asynct.attention.graph_inputs import GraphStepInputs
 from asynct.ops import asynci_decode, asynci_prefill
 from asynct.ops.asynci_prefill import warmup_prefill
 
@@ -108,34 +109,28 @@ class TritonBackend(AttentionBackend):
         warmup_prefill(q, kv_cache, table, qsl, lens, *args, torch.empty_like(q), max_query_len=1,
                        max_seq_len=blocks * kv_cache.shape[2], **impl.kv_scales)
 
-    def init_capture(self, max_batch_size, max_blocks_per_seq, max_seq_len, device):
-        self.graph_max_seq_len = max_seq_len
-        self.graph_block_table = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.graph_seq_lens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
-        self.graph_slot_mapping = torch.full((max_batch_size,), -1, dtype=torch.int64, device=device)
+    def init_capture(self, max_batch_size, max_blocks_per_seq, max_seq_len, block_size, device):
+        self.graph_max_seq_len, self.graph_block_size = max_seq_len, block_size
+        self.graph_inputs = GraphStepInputs(max_batch_size, max_blocks_per_seq, device)
         self.graph_qsl = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
-        self.graph_prefix_len = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def graph_positions(self, batch_size) -> torch.Tensor:
+        return self.graph_inputs.positions[:batch_size]
 
     def prepare_for_capture(self, batch_size) -> TritonAttentionMetadata:
         """Decode-only metadata over the static buffers; the split counts are fixed by the
         longest context a captured graph may meet. Graphs that may hold enough sequences for
         cascade attention always run its prefix pass (an empty one when nothing is shared)."""
-        bs = batch_size
+        bs, g = batch_size, self.graph_inputs
         cascade = bs >= CASCADE_MIN_DECODES
         return TritonAttentionMetadata(
             num_decodes=bs, num_prefills=0, num_decode_tokens=bs, num_actual_tokens=bs,
             max_query_len=1, max_seq_len=0, query_start_loc=self.graph_qsl[: bs + 1],
-            seq_lens=self.graph_seq_lens[:bs], block_table=self.graph_block_table[:bs],
-            slot_mapping=self.graph_slot_mapping[:bs], max_decode_seq_len=self.graph_max_seq_len,
-            decode_prefix_len=self.graph_prefix_len if cascade else None)
+            seq_lens=g.seq_lens[:bs], block_table=g.block_table[:bs], slot_mapping=g.slot_mapping[:bs],
+            max_decode_seq_len=self.graph_max_seq_len, decode_prefix_len=g.prefix_len if cascade else None)
 
-    def prepare_for_replay(self, md: TritonAttentionMetadata, batch_size) -> TritonAttentionMetadata:
-        n, width = md.num_decodes, md.block_table.shape[1]
-        self.graph_block_table[:n, :width].copy_(md.block_table, non_blocking=True)
-        self.graph_seq_lens[:n].copy_(md.seq_lens, non_blocking=True)
-        self.graph_seq_lens[n:batch_size].zero_()
-        self.graph_slot_mapping[:n].copy_(md.slot_mapping, non_blocking=True)
-        self.graph_slot_mapping[n:batch_size].fill_(-1)
-        if batch_size >= CASCADE_MIN_DECODES:
-            self.graph_prefix_len.fill_(md.decode_prefix_len_cpu)
-        return replace(self.prepare_for_capture(batch_size), max_seq_len=md.max_seq_len)
+    def prepare_for_replay(self, step: StepInputs, batch_size) -> TritonAttentionMetadata:
+        table = block_table_array(step.block_tables)
+        prefix = shared_prefix_len(table, step.seq_lens, step.num_decodes, self.graph_block_size)
+        self.graph_inputs.send(step, table, prefix)
+        return replace(self.prepare_for_capture(batch_size), max_seq_len=max(step.seq_lens))

@@ -1,16 +1,20 @@
 """CUDA graphs for decode-only steps: one graph per batch size of a ladder up to max_num_seqs;
 a step replays the smallest graph that holds it, padded with empty sequences. The attention
-backend owns the static metadata buffers (init_capture / prepare_for_capture / prepare_for_replay).
+backend owns the static buffers of metadata and positions (init_capture / prepare_for_capture /
+prepare_for_replay), which it sends from the host's step inputs: no metadata tensors are built.
 
 Graphs of up to SAMPLING_MAX_BS sequences also run the LM head and the greedy argmax, into static
 buffers: at such sizes a step is bound by launches, and eagerly the two cost the host ~100 us of
-launch work a step and the GPU the gaps between them (H200, benchmarks/RESULTS.md). Larger
-graphs leave the hidden states: their logits would hold [max_num_seqs, vocab] for good."""
+launch work a step and the GPU the gaps between them (H200, benchmarks/RESULTS.md). The argmax
+goes into the graph's input ids, so a step whose rows continue the step before reads them
+there, with no copy. Larger graphs leave the hidden states: their logits would hold
+[max_num_seqs, vocab] for good."""
 from typing import NamedTuple
 
 import torch
 
 from asynct import ops
+from asynct.attention.base import host_to_device, host_to_device_many
 from asynct.engine.context import reset_context, set_context
 
 SAMPLING_MAX_BS = 32
@@ -57,49 +61,69 @@ class CudaGraphRunner:
         self.backend, self.model = runner.backend, runner.model   # not the runner: no cycle
         self.sizes = batch_size_ladder(max_num_seqs)
         self.max_bs = self.sizes[-1]
-        dev = runner.device
+        dev = self.device = runner.device
         self.input_ids = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.long, device=dev)
         rows = min(self.max_bs, SAMPLING_MAX_BS)
         self.logits = torch.empty(rows, runner.config.vocab_size, dtype=runner.dtype, device=dev)
-        self.greedy = torch.zeros(rows, dtype=torch.long, device=dev)
         max_blocks = (runner.max_model_len + runner.block_size - 1) // runner.block_size
-        runner.backend.init_capture(self.max_bs, max_blocks, runner.max_model_len, dev)
+        runner.backend.init_capture(self.max_bs, max_blocks, runner.max_model_len, runner.block_size, dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # each graph's own output, written in place by every replay: copying it into one shared
         # buffer was a graph node of its own (2.6 us of a batch-1 step, H200)
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture()
 
+    def forward(self, bs: int):
+        """A graph's work: the model over the static inputs, then (sampling graphs) the LM head
+        and the argmax, into the input ids."""
+        hidden = self.model(self.input_ids[:bs], self.backend.graph_positions(bs))
+        if bs > SAMPLING_MAX_BS:
+            self.outputs[bs] = hidden
+        else:
+            ops.argmax(self.model.compute_logits(hidden, out=self.logits[:bs]), out=self.input_ids[:bs])
+
     @torch.inference_mode()
     def capture(self):
         self.pool, self.stream = None, torch.cuda.Stream()
-        backend, model = self.backend, self.model
         for bs in reversed(self.sizes):
-            set_context(backend.prepare_for_capture(bs))
-            def forward(bs=bs):
-                hidden = model(self.input_ids[:bs], self.positions[:bs])
-                if bs > SAMPLING_MAX_BS:
-                    self.outputs[bs] = hidden
-                    return
-                ops.argmax(model.compute_logits(hidden, out=self.logits[:bs]), out=self.greedy[:bs])
-            forward()   # warm-up
-            self.graphs[bs] = capture_graph(self, forward)
+            set_context(self.backend.prepare_for_capture(bs))
+            self.forward(bs)   # warm-up
+            self.graphs[bs] = capture_graph(self, lambda bs=bs: self.forward(bs))
             reset_context()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()            # the warm-ups' blocks; the graphs keep their pool
 
-    def can_run(self, metadata) -> bool:
-        return metadata.num_prefills == 0 and 0 < metadata.num_decodes <= self.max_bs
-
-    def run(self, input_ids, positions, metadata):
-        n = metadata.num_decodes
-        bs = next(b for b in self.sizes if b >= n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.positions[n:bs].zero_()
-        self.backend.prepare_for_replay(metadata, bs)
+    def replay(self, bs: int, metadata):
         self.graphs[bs].replay()
+
+    def can_run(self, step) -> bool:
+        """A decode-only step (StepInputs) that a graph holds."""
+        return step.num_decodes == len(step.query_lens) and 0 < step.num_decodes <= self.max_bs
+
+    def run(self, step, ids: list[int], pending: list, last_sampled):
+        """Replays the step (`ids` and `pending` as ModelRunner.step_inputs gives them); returns
+        its final hidden states, or GraphLogits."""
+        n = step.num_decodes
+        bs = next(b for b in self.sizes if b >= n)
+        self._send_input_ids(ids, pending, last_sampled)
+        self.replay(bs, self.backend.prepare_for_replay(step, bs))
         if bs > SAMPLING_MAX_BS:
             return self.outputs[bs][:n]
-        return GraphLogits(self.logits[:n], self.greedy[:n])
+        return GraphLogits(self.logits[:n], self.input_ids[:n])
+
+    def _send_input_ids(self, ids, pending, last_sampled):
+        """Rows that continue in their row of the step before take its samples (already in
+        place where the graph's argmax made them); other rows' pending tokens are gathered
+        before the host's ids overwrite a buffer they may be read from."""
+        n = len(ids)
+        dst, src = zip(*pending) if pending else ((), ())
+        if dst == src == tuple(range(n)):
+            if last_sampled.data_ptr() != self.input_ids.data_ptr():
+                self.input_ids[:n].copy_(last_sampled[:n], non_blocking=True)
+            return
+        if pending:
+            dst, src = host_to_device_many([(dst, torch.int64), (src, torch.int64)], self.device)
+            tokens = last_sampled[src]
+        self.input_ids[:n].copy_(host_to_device(ids, torch.int64, self.device), non_blocking=True)
+        if pending:
+            self.input_ids[dst] = tokens

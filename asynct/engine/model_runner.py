@@ -110,11 +110,16 @@ class ModelRunner(RunnerStartup):
             self.capture_decode_graphs()
         t0 = time.perf_counter()
         ids, pos, step, pending = self.step_inputs(batch)
-        metadata = self.builder.build(step)
         events = self._events()
-        input_ids, positions = self._inputs(ids, pos, pending)
-        hidden, kind = self._run_model(input_ids, positions, metadata, batch)
-        samplers, prompt_rows, host = self._sample(batch, hidden, metadata.query_start_loc_cpu)
+        if self.graphs is not None and self.graphs.can_run(step):
+            # no metadata built: the backend sends the step's host inputs to the graph's buffers
+            hidden, kind = self.graphs.run(step, ids, pending, self.last_sampled), "graph"
+            qsl = tuple(range(len(ids) + 1))
+        else:
+            metadata = self.builder.build(step)
+            hidden, kind = self._run_model(self._inputs(ids, pos, pending), metadata, batch)
+            qsl = metadata.query_start_loc_cpu
+        samplers, prompt_rows, host = self._sample(batch, hidden, qsl)
         if events:
             events[1].record()
         done = None
@@ -124,11 +129,10 @@ class ModelRunner(RunnerStartup):
         return LaunchedStep(batch, samplers, prompt_rows, host, done, kind,
                             events, time.perf_counter() - t0, sum(step.seq_lens))
 
-    def _run_model(self, input_ids, positions, metadata, batch):
-        """(final hidden states, step kind): a full decode graph (which may leave GraphLogits
-        instead), piecewise graphs, or eager."""
-        if self.graphs is not None and self.graphs.can_run(metadata):
-            return self.graphs.run(input_ids, positions, metadata), "graph"
+    def _run_model(self, inputs, metadata, batch):
+        """(final hidden states, step kind) of a step no decode graph holds: piecewise graphs,
+        or eager."""
+        input_ids, positions = inputs
         if self.piecewise is not None and self.piecewise.can_run(metadata):
             return self.piecewise.run(input_ids, positions, metadata), "piecewise " + _kind(batch)
         return self._forward(input_ids, positions, metadata), _kind(batch)
