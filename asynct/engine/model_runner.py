@@ -56,9 +56,9 @@ class ModelRunner(RunnerStartup):
         if self.device.type == "cuda":
             self._compile_ahead()
         self.max_num_seqs = max_num_seqs
-        # the previous step's sampled tokens, on the device; a sampling graph's argmax buffer,
-        # which the next replay overwrites, only after a step whose every row took the raw
-        # argmax: no row of the next step then has penalties or bad words that read them later
+        # the previous step's sampled tokens, on the device. A sampling graph's input ids (its
+        # argmax), which the next replay overwrites, only after a step whose every row took the
+        # raw argmax: no row of the next step then has penalties or bad words that read them
         self.last_sampled = None
         self.penalty_counts = PenaltyCounts(rows_hint=max_num_seqs + 1)
         self.timed = False           # record device time per step (benchmarks)
@@ -146,7 +146,8 @@ class ModelRunner(RunnerStartup):
 
     def _sample(self, batch, hidden, qsl):
         """Samples and logprobs of the rows that sample or score prompt tokens (from the hidden
-        states, or a sampling graph's GraphLogits), queued to the host. Returns (sampling batch rows, prompt-logprob rows, host copies)."""
+        states, or a sampling graph's GraphLogits), queued to the host. Returns (sampling batch
+        rows, prompt-logprob rows, host copies)."""
         samplers = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                     if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
         host = {}
