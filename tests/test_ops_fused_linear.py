@@ -121,7 +121,7 @@ def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("t", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("t", [1, 3, 5, 8, 16, 17, 32])
 def test_bench_shapes_deterministic(t):
     """bench-0.6b's four projections: equal to the unfused ops, and bit-identical from call to
     call (the async-vs-sync and graph-vs-eager equality tests rely on it)."""
