@@ -2,22 +2,22 @@
 unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-0.6b's shapes.
 
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
-        [--modes unfused,...,fused] [--batches 1,2,...]
+        [--modes unfused,...,fused]
 
 1. Each layer op at 1, 2, 3, 4, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the
    L2 prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
    enough distinct weight copies that every replay reads HBM (as 35 layers do), with the
    bandwidth its weights achieve. --sweep adds the dot tiles' configs at 1 and 32 rows (BLOCK_K,
-   stages, warps, weight rows per program) and the CUDA-core path's at 1 to 8 rows (weight
+   stages, warps, weight rows per program) and the CUDA-core path's at 1 to 4 rows (weight
    rows per program, K tile, warps), for every op.
-2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48 (--batches),
-   context 384, for an engine with the fused linears, one with them but without programmatic
-   dependent launch (every kernel waits for the one before to drain), one whose QKV kernel
-   leaves the KV write to the attention backend, one whose linears do not prefetch their
-   weights into L2 while the kernel before runs, one whose linears take dot tiles at every row
-   count (no GEMV) or past four rows (GEMV to 4 rows), one whose graphs leave the LM head and
-   greedy argmax to eager launches, and one without fused linears, against the step's
-   roofline: weights + KV read once at the copy bandwidth."""
+2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48, context 384,
+   for an engine with the fused linears, one with them but without programmatic dependent
+   launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
+   write to the attention backend, one whose linears do not prefetch their weights into L2
+   while the kernel before runs, one whose linears take dot tiles at every row count (no
+   GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, and one
+   without fused linears, against the step's roofline: weights + KV read once at the copy
+   bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -92,17 +92,6 @@ def no_gemv():
 
 
 @contextlib.contextmanager
-def gemv_to_4_rows():
-    """The CUDA-core path at 1-4 rows only, dot tiles past them: the 8-row kernel's same-run peer."""
-    orig = fl.GEMV
-    fl.GEMV = {op: (rows, block_k, warps[:4]) for op, (rows, block_k, warps) in orig.items()}
-    try:
-        yield
-    finally:
-        fl.GEMV = orig
-
-
-@contextlib.contextmanager
 def tiles(half_tile=None, **changes):
     """Overrides of the fused kernels' launch options and rows per tile (the sweep's configs)."""
     orig, orig_half = fl._tiles, fl.HALF_TILE
@@ -138,14 +127,11 @@ def gemv_configs(op, k, m):
     """GEMV_SWEEP's configs as the plan runs them, each once: its K tile is all of K wherever
     the rows fit fused_linear.GEMV_EARLY_ELEMENTS, whatever the config asks. Past two rows at
     most 8 weight rows a program: four accumulators of 16 would not fit in registers (8 x 2,048
-    at 4 warps already spills: sm_90 compile); past four, only those the plan keeps off dot
-    tiles (one K tile)."""
+    at 4 warps already spills: sm_90 compile)."""
     runs = {}
     for r, bk, w in (c for c in GEMV_SWEEP if m <= 2 or c[0] <= 8):
         with gemv(op, r, bk, w):
-            plan = fl._plan(torch.zeros(m, k), k, op)[1]
-        if plan:
-            runs.setdefault((r, plan["BLOCK_K"], w), None)
+            runs.setdefault((r, fl._plan(torch.zeros(m, k), k, op)[1]["BLOCK_K"], w), None)
     return list(runs)
 
 
@@ -244,12 +230,12 @@ def hidden_state_graphs():
 
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
-         "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "GEMV to 4 rows": gemv_to_4_rows,
-         "hidden-state graphs": hidden_state_graphs,
+         "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
          "fused": contextlib.nullcontext}
 
 
-def steps_table(model, copy_bw, names, batches, context=384):
+def steps_table(model, copy_bw, names, context=384):
+    batches = (1, 2, 4, 8, 16, 24, 32, 48)
     modes = {n: MODES[n] for n in MODES if n in names}
     ms = {}
     for name, mode in modes.items():
@@ -273,7 +259,6 @@ def main():
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--modes", default=",".join(MODES), help="engines of the step table, comma-separated")
-    ap.add_argument("--batches", default="1,2,4,8,16,24,32,48", help="the step table's, comma-separated")
     a = ap.parse_args()
     names = a.modes.split(",")
     if set(names) - set(MODES) or "fused" not in names:
@@ -285,7 +270,7 @@ def main():
         ops_table(copy_bw, a.sweep)
     if not a.skip_engine:
         model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
-        steps_table(str(model), copy_bw, names, [int(b) for b in a.batches.split(",")])
+        steps_table(str(model), copy_bw, names)
 
 
 if __name__ == "__main__":

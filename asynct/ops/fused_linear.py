@@ -29,14 +29,10 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
 # At 3-4 rows (untuned warps) o_proj/down off their dot tiles took batch-4 steps from 1.066 to
 # 0.998 ms (with a since-reverted argmax in the run); QKV's and the joined reduction 1.01-1.02x.
-# At 5-8 rows (warps as at 3-4), not measured on the GPU: at 8 rows QKV's dot tiles advanced
-# 6.89 us a layer, o_proj's and down's 3.44 each (RESULTS.md, run B's timeline).
-GEMV = {"qkv": (8, 512, (4, 8, 8, 8, 8, 8, 8, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4,) * 8)}
-GEMV_MAX_ROWS = 8   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
+GEMV = {"qkv": (8, 512, (4, 8, 8, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4, 4, 4))}
+GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Past two rows only up to this K: four accumulators of a wider K spill (sm_90: down at K 11,008
-# 92 B, at 14,336 766 B a thread), measured at bench-0.6b's K of 1,024-3,072 only. Past four
-# rows only where one K tile holds K: eight accumulators of K tiles spilled (sm_90, bf16: QKV at
-# 3,072 16 B a thread, down at 8,192 4 B), one tile (QKV 8 x 1,024, down 2 x 4,096) did not.
+# 92 B, at 14,336 766 B a thread), measured at bench-0.6b's K of 1,024-3,072 only
 GEMV_WIDE_ROWS_MAX_K = 8192
 # Weights a GEMV program may load as one K tile, before its PDL wait (_gemv_rows): 16 KB of
 # bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at
@@ -135,15 +131,14 @@ def _plan(x, k, op):
     """(weight rows a program, launch options) of `op` (a GEMV key) over a K-wide stream: the
     CUDA-core path for as few rows as it wins at, else 16-row dot tiles (_tiles, which needs
     the program count: the caller's). The GEMV takes one K tile where its rows fit
-    GEMV_EARLY_ELEMENTS, else the table's (up to four activation rows)."""
+    GEMV_EARLY_ELEMENTS, else the table's."""
     rows, block_k, warps = GEMV[op]
-    m, whole = x.shape[0], triton.next_power_of_2(k)
-    one_tile = rows * whole <= GEMV_EARLY_ELEMENTS
-    if (m > min(len(warps), GEMV_MAX_ROWS) or (m > 2 and k > GEMV_WIDE_ROWS_MAX_K)
-            or (m > 4 and not one_tile)):
+    m = x.shape[0]
+    if m > min(len(warps), GEMV_MAX_ROWS) or (m > 2 and k > GEMV_WIDE_ROWS_MAX_K):
         return TILE_N, None
+    whole = triton.next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
-    block_k = whole if one_tile else min(block_k, whole // 2)
+    block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
     return rows, dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, EVEN_K=k % block_k == 0,
                       PRECISION="ieee", num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
 

@@ -1,6 +1,6 @@
 """The Triton kernels of fused_linear.py: decode-sized linears (at most 32 rows) with their
 elementwise epilogue. A program streams 16 weight rows (a 16-row dot with a tile of 16 or 32
-activation rows), or, for one to eight activation rows (GEMV), 2-8 weight rows multiplied on the
+activation rows), or, for one to four activation rows (GEMV), 2-8 weight rows multiplied on the
 CUDA cores; RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j),
 so their programs load the two halves as one tile and split the accumulator. The accumulator
 is rounded to the activation dtype before the epilogue, as the unfused ops receive it."""
@@ -50,7 +50,7 @@ def _x_row(x_ptr, sx, i: tl.constexpr, M, k, km):
 @_jit
 def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """_dot_rows for one to eight activation rows (BLOCK_M 1, 2, 4 or 8), on the CUDA cores: K is
+    """_dot_rows for one to four activation rows (BLOCK_M 1, 2 or 4), on the CUDA cores: K is
     unrolled, so all of a program's weight loads go out at once, straight into registers, and
     a 16-row dot tile's empty rows cost nothing. Each weight tile, loaded once, meets every
     row, each in an accumulator of its own (one 3-D one reduced K through shared memory and
@@ -66,18 +66,10 @@ def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.co
         km = kk < K
         w = tl.load(base + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
         wait_for_prior(PDL)
-        if BLOCK_M > 4:     # rows 0-3 and 4-7 in two sums: one of all eight took o_proj/down 9-10
-            # more registers a thread (sm_90 compile)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_rows8(x_ptr, sx, M, kk, km, rows.shape[0] >= 8)
-            lo = _row_sums(w * x0, w * x1, w * x2, w * x3, 4)
-            out = _stack(lo, _row_sums(w * x4, w * x5, w * x6, w * x7, 4))
-        else:
-            # products, not sums onto zeros: each fuses into the reduction's adds (FMA)
-            acc0, acc1 = w * _x_row(x_ptr, sx, 0, M, kk, km), w * _x_row(x_ptr, sx, 1, M, kk, km)
-            acc2, acc3 = w * _x_row(x_ptr, sx, 2, M, kk, km), w * _x_row(x_ptr, sx, 3, M, kk, km)
-            out = _row_sums(acc0, acc1, acc2, acc3, BLOCK_M)
+        # products, not sums onto zeros: each fuses into the reduction's adds (FMA)
+        acc0, acc1 = w * _x_row(x_ptr, sx, 0, M, kk, km), w * _x_row(x_ptr, sx, 1, M, kk, km)
+        acc2, acc3 = w * _x_row(x_ptr, sx, 2, M, kk, km), w * _x_row(x_ptr, sx, 3, M, kk, km)
     else:
-        tl.static_assert(BLOCK_M <= 4, "K tiles hold four accumulators at most (fused_linear._plan)")
         wait_for_prior(PDL)
         acc0 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
@@ -88,45 +80,7 @@ def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.co
             acc1 += w * _x_row(x_ptr + k0, sx, 1, M, kk, km)
             acc2 += w * _x_row(x_ptr + k0, sx, 2, M, kk, km)
             acc3 += w * _x_row(x_ptr + k0, sx, 3, M, kk, km)
-        out = _row_sums(acc0, acc1, acc2, acc3, BLOCK_M)
-    return out.to(x_ptr.dtype.element_ty).to(tl.float32)
-
-
-@_jit
-def _x_rows8(x_ptr, sx, M, k, km, TILE: tl.constexpr):
-    """_x_row of rows 0-7. TILE (where no larger than the weight tile: down's 8 x 4,096 held 256
-    values a thread): one [8, K] load, split in registers. Where the weight tile is narrower
-    than its warps (QKV's 8 x 1,024: 2 x 4), x rows reach both warp rows through shared memory;
-    row by row, each load waited for the one before (sm_90 SASS: eight L2 round trips, not one)."""
-    if TILE:
-        m = tl.arange(0, 8)[:, None]
-        x = tl.load(x_ptr + m * sx + k[None, :], mask=(m < M) & km[None, :], other=0.0)
-        # [K, i % 2, i // 2 % 2, i // 4]: the last axis splits first
-        lo, hi = tl.split(tl.permute(tl.reshape(x, (2, 2, 2, k.shape[0])), (3, 2, 1, 0)))
-        x0, x1, x2, x3 = _quarters(lo)
-        x4, x5, x6, x7 = _quarters(hi)
-    else:
-        x0, x1 = _x_row(x_ptr, sx, 0, M, k, km), _x_row(x_ptr, sx, 1, M, k, km)
-        x2, x3 = _x_row(x_ptr, sx, 2, M, k, km), _x_row(x_ptr, sx, 3, M, k, km)
-        x4, x5 = _x_row(x_ptr, sx, 4, M, k, km), _x_row(x_ptr, sx, 5, M, k, km)
-        x6, x7 = _x_row(x_ptr, sx, 6, M, k, km), _x_row(x_ptr, sx, 7, M, k, km)
-    return x0, x1, x2, x3, x4, x5, x6, x7
-
-
-@_jit
-def _quarters(x):
-    """[K, 2, 2] of rows (i % 2, i // 2) -> the four, each [1, K] fp32."""
-    a, b = tl.split(x)
-    x0, x1 = tl.split(a)
-    x2, x3 = tl.split(b)
-    return (x0.to(tl.float32)[None, :], x1.to(tl.float32)[None, :], x2.to(tl.float32)[None, :],
-            x3.to(tl.float32)[None, :])
-
-
-@_jit
-def _stack(lo, hi):
-    """[4, N] over [4, N] -> [8, N]."""
-    return tl.reshape(tl.permute(tl.join(lo, hi), (2, 0, 1)), (8, lo.shape[1]))
+    return _row_sums(acc0, acc1, acc2, acc3, BLOCK_M).to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @_jit
