@@ -2,7 +2,7 @@
 unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-0.6b's shapes.
 
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
-        [--modes unfused,...,fused]
+        [--modes unfused,...,fused] [--batches 1,2,...]
 
 1. Each layer op at 1, 2, 3, 4, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the
    L2 prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
@@ -10,8 +10,8 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    bandwidth its weights achieve. --sweep adds the dot tiles' configs at 1 and 32 rows (BLOCK_K,
    stages, warps, weight rows per program) and the CUDA-core path's at 1 to 4 rows (weight
    rows per program, K tile, warps), for every op.
-2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48, context 384,
-   for an engine with the fused linears, one with them but without programmatic dependent
+2. Whole decode steps (full CUDA graphs) at batch 1, 2, 4, 8, 16, 24, 32 and 48 (--batches),
+   context 384, for an engine with the fused linears, one with them but without programmatic dependent
    launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
    write to the attention backend, one whose linears do not prefetch their weights into L2
    while the kernel before runs, one whose linears take dot tiles at every row count (no
@@ -234,8 +234,7 @@ MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "fused": contextlib.nullcontext}
 
 
-def steps_table(model, copy_bw, names, context=384):
-    batches = (1, 2, 4, 8, 16, 24, 32, 48)
+def steps_table(model, copy_bw, names, batches, context=384):
     modes = {n: MODES[n] for n in MODES if n in names}
     ms = {}
     for name, mode in modes.items():
@@ -259,6 +258,7 @@ def main():
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--modes", default=",".join(MODES), help="engines of the step table, comma-separated")
+    ap.add_argument("--batches", default="1,2,4,8,16,24,32,48", help="the step table's, comma-separated")
     a = ap.parse_args()
     names = a.modes.split(",")
     if set(names) - set(MODES) or "fused" not in names:
@@ -270,7 +270,7 @@ def main():
         ops_table(copy_bw, a.sweep)
     if not a.skip_engine:
         model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
-        steps_table(str(model), copy_bw, names)
+        steps_table(str(model), copy_bw, names, [int(b) for b in a.batches.split(",")])
 
 
 if __name__ == "__main__":
