@@ -113,7 +113,7 @@ def tiles(half_tile=None, **changes):
 def gemv(op, rows, block_k, warps):
     """The CUDA-core path of `op` (a fused_linear.GEMV key) with this config up to its row limit."""
     orig = fl.GEMV
-    fl.GEMV = {**orig, op: (rows, block_k, (warps,) * fl.GEMV_MAX_ROWS)}
+    fl.GEMV = {**orig, op: ((rows,) * fl.GEMV_MAX_ROWS, block_k, (warps,) * fl.GEMV_MAX_ROWS)}
     try:
         yield
     finally:

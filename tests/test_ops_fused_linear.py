@@ -262,15 +262,17 @@ def test_launch_plan_gemv_rows(monkeypatch):
     needs; never more rows than the kernel has accumulators for, whatever the table says."""
     from asynct.ops import fused_linear
     from asynct.ops.fused_linear import GEMV, GEMV_MAX_ROWS, TILE_N, _plan
-    monkeypatch.setitem(fused_linear.GEMV, "probe", (2, 512, (4,) * (GEMV_MAX_ROWS + 2)))
+    monkeypatch.setitem(fused_linear.GEMV, "probe", ((2,) * (GEMV_MAX_ROWS + 2), 512, (4,) * (GEMV_MAX_ROWS + 2)))
     assert _plan(torch.zeros(GEMV_MAX_ROWS + 1, 96), 96, "probe")[1] is None
     wide = fused_linear.GEMV_WIDE_ROWS_MAX_K + 1
     assert _plan(torch.zeros(2, wide), wide, "probe")[1] and _plan(torch.zeros(3, wide), wide, "probe")[1] is None
     assert _plan(torch.zeros(GEMV_MAX_ROWS, 96), 96, "probe")[1]["BLOCK_M"] == GEMV_MAX_ROWS
     # rows past GEMV_EARLY_ELEMENTS take K tiles after the wait, even if the table's tile holds K
-    monkeypatch.setitem(fused_linear.GEMV, "probe", (16, 1024, (4,)))
+    monkeypatch.setitem(fused_linear.GEMV, "probe", ((16,), 1024, (4,)))
     assert _plan(torch.zeros(1, 1024), 1024, "probe")[1]["BLOCK_K"] < 1024
     monkeypatch.delitem(fused_linear.GEMV, "probe")
+    # weight rows a program by activation rows: QKV's halve past two
+    assert [_plan(torch.zeros(m, 1024), 1024, "qkv")[0] for m in (1, 2, 3, 4)] == [8, 8, 4, 4]
     for rows, ops in [(1, {"qkv", "reglu", "dyht_add"}), (2, {"qkv", "dyht_add"}), (3, {"qkv", "dyht_add"}),
                       (4, {"qkv", "dyht_add"}), (5, set())]:
         x = torch.zeros(rows, 96, dtype=torch.bfloat16)

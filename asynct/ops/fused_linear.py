@@ -25,11 +25,14 @@ HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
 # The CUDA-core path (GEMV) where it beat the tl.dot kernels (H200, bench-0.6b's shapes, the best
 # of 50 configs, then in whole steps; benchmarks/RESULTS.md): (weight rows a program, K tile,
-# warps at 1, 2, ... activation rows: as many rows as it serves). gate/up loses at two rows
+# warps), the first and last at 1, 2, ... activation rows: as many rows as it serves. QKV at 3-4
+# rows with 4 weight rows, not 8: batch-3/4 steps 1.04x faster (1 and 2 rows: 1.04-1.05x slower;
+# RESULTS.md, eighteenth session). gate/up loses at two rows
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
 # At 3-4 rows (untuned warps) o_proj/down off their dot tiles took batch-4 steps from 1.066 to
 # 0.998 ms (with a since-reverted argmax in the run); QKV's and the joined reduction 1.01-1.02x.
-GEMV = {"qkv": (8, 512, (4, 8, 8, 8)), "reglu": (4, 1024, (4,)), "dyht_add": (2, 1024, (4, 4, 4, 4))}
+GEMV = {"qkv": ((8, 8, 4, 4), 512, (4, 8, 8, 8)), "reglu": ((4,), 1024, (4,)),
+        "dyht_add": ((2,) * 4, 1024, (4, 4, 4, 4))}
 GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Past two rows only up to this K: four accumulators of a wider K spill (sm_90: down at K 11,008
 # 92 B, at 14,336 766 B a thread), measured at bench-0.6b's K of 1,024-3,072 only
@@ -136,6 +139,7 @@ def _plan(x, k, op):
     m = x.shape[0]
     if m > min(len(warps), GEMV_MAX_ROWS) or (m > 2 and k > GEMV_WIDE_ROWS_MAX_K):
         return TILE_N, None
+    rows = rows[m - 1]
     whole = triton.next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
     block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
