@@ -26,8 +26,9 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # The CUDA-core path (GEMV) where it beat the tl.dot kernels (H200, bench-0.6b's shapes, the best
 # of 50 configs, then in whole steps; benchmarks/RESULTS.md): (weight rows a program, K tile,
 # warps), the first and last at 1, 2, ... activation rows: as many rows as it serves. QKV at 3-4
-# rows with 4 weight rows, not 8: batch-3/4 steps 1.04x faster (1 and 2 rows: 1.04-1.05x slower;
-# RESULTS.md, eighteenth session). gate/up loses at two rows
+# rows with 4 weight rows, not 8: batch-3/4 steps 1.02-1.045x faster in two runs (1 and 2 rows:
+# 1.04-1.05x slower; RESULTS.md, eighteenth session). At 5-8 rows a GEMV (one 8-row kernel) made
+# steps 1.10-1.11x slower than the dot tiles: not kept. gate/up loses at two rows
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
 # At 3-4 rows (untuned warps) o_proj/down off their dot tiles took batch-4 steps from 1.066 to
 # 0.998 ms (with a since-reverted argmax in the run); QKV's and the joined reduction 1.01-1.02x.
