@@ -113,3 +113,29 @@ def test_graph_inputs_pack_each_part_16_byte_aligned_and_pad_empty_rows():
     assert g.positions.tolist() == [6, 19, 0] and g.seq_lens.tolist() == [7, 20, 0]
     assert g.slot_mapping.tolist() == [33, 150, -1] and g.prefix_len.tolist() == [16]
     assert g.block_table[:2, :2].tolist() == [[4, 2], [9, 0]] and not g.block_table[2:].any()
+
+
+def test_a_one_token_prefill_chunk_keeps_its_step_off_the_graphs(tiny_ckpt, monkeypatch):
+    """A step of one-token queries is not always a decode step: a prompt's chunk can be one
+    token (the budget's last), mid-prompt. It neither samples nor, in a sampling graph, keeps the
+    hidden state its prompt logprob needs: such steps run as before, and outputs (prompt
+    logprobs too) equal eager steps'."""
+    monkeypatch.setattr(model_runner, "to_host", lambda t: t.clone())
+    kw = dict(device="cpu", attention_backend="triton", max_num_seqs=8, max_num_batched_tokens=5,
+              num_kv_blocks=300)
+    llms = [LLM(tiny_ckpt, **kw) for _ in range(2)]
+    runner = llms[1].llm_engine.runner
+    graphs = runner.graphs = EagerReplays(runner, 8)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, 2, 14, seed=3)]
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1, logprobs=1)
+              if i % 2 else SamplingParams(temperature=0, max_tokens=9, ignore_eos=True) for i in range(8)]
+    one_token_chunks = []
+    real = runner.launch
+
+    def launch(batch):
+        if batch.is_decode_only:
+            one_token_chunks.append(sum(s.is_prefilling for s in batch.seqs))
+        return real(batch)
+    monkeypatch.setattr(runner, "launch", launch)
+    assert generate(llms[1], prompts, params, 0) == generate(llms[0], prompts, params, 0)
+    assert any(one_token_chunks) and graphs.replays >= 3

@@ -111,7 +111,7 @@ class ModelRunner(RunnerStartup):
         t0 = time.perf_counter()
         ids, pos, step, pending = self.step_inputs(batch)
         events = self._events()
-        if self.graphs is not None and self.graphs.can_run(step):
+        if self.graphs is not None and self.graphs.can_run(step) and all_rows_sample(batch):
             # no metadata built: the backend sends the step's host inputs to the graph's buffers
             hidden, kind = self.graphs.run(step, ids, pending, self.last_sampled), "graph"
             qsl = tuple(range(len(ids) + 1))
@@ -148,8 +148,7 @@ class ModelRunner(RunnerStartup):
         """Samples and logprobs of the rows that sample or score prompt tokens (from the hidden
         states, or a sampling graph's GraphLogits), queued to the host. Returns (sampling batch
         rows, prompt-logprob rows, host copies)."""
-        samplers = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                    if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
+        samplers = sampling_rows(batch)
         host = {}
         if isinstance(hidden, GraphLogits):    # a decode step: every row samples
             self._sample_rows(batch, samplers, hidden.logits, host, hidden.greedy)
@@ -238,6 +237,19 @@ class ModelRunner(RunnerStartup):
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Launch and finish at once (the synchronous loop, tests, benchmarks)."""
         return self.finish(self.launch(batch))
+
+
+def sampling_rows(batch: ScheduledBatch) -> list[int]:
+    """The batch rows that sample: those whose step reaches their last known token."""
+    return [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+            if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
+
+
+def all_rows_sample(batch: ScheduledBatch) -> bool:
+    """A decode graph's condition beyond one token a row: a one-token prefill chunk mid-prompt
+    (a token budget's last) neither samples nor, in a sampling graph, keeps the hidden state its
+    prompt logprob needs."""
+    return len(sampling_rows(batch)) == len(batch.seqs)
 
 
 def _kind(batch: ScheduledBatch) -> str:
