@@ -111,7 +111,11 @@ class ModelRunner(RunnerStartup):
         t0 = time.perf_counter()
         ids, pos, step, pending = self.step_inputs(batch)
         events = self._events()
-        if self.graphs is not None and self.graphs.can_run(step) and all_rows_sample(batch):
+        samplers = batch.sampling_rows
+        # a step of one-token rows may hold a one-token prefill chunk mid-prompt (a token budget's
+        # last): it neither samples nor, in a sampling graph, keeps the hidden state its prompt
+        # logprob needs, so such a step takes no decode graph
+        if self.graphs is not None and self.graphs.can_run(step) and len(samplers) == len(batch.seqs):
             # no metadata built: the backend sends the step's host inputs to the graph's buffers
             hidden, kind = self.graphs.run(step, ids, pending, self.last_sampled), "graph"
             qsl = tuple(range(len(ids) + 1))
@@ -119,7 +123,7 @@ class ModelRunner(RunnerStartup):
             metadata = self.builder.build(step)
             hidden, kind = self._run_model(self._inputs(ids, pos, pending), metadata, batch)
             qsl = metadata.query_start_loc_cpu
-        samplers, prompt_rows, host = self._sample(batch, hidden, qsl)
+        prompt_rows, host = self._sample(batch, samplers, hidden, qsl)
         if events:
             events[1].record()
         done = None
@@ -144,15 +148,14 @@ class ModelRunner(RunnerStartup):
         start.record()
         return start, end
 
-    def _sample(self, batch, hidden, qsl):
-        """Samples and logprobs of the rows that sample or score prompt tokens (from the hidden
-        states, or a sampling graph's GraphLogits), queued to the host. Returns (sampling batch
-        rows, prompt-logprob rows, host copies)."""
-        samplers = sampling_rows(batch)
+    def _sample(self, batch, samplers, hidden, qsl):
+        """Samples and logprobs of the rows that sample (`samplers`: batch.sampling_rows) or score
+        prompt tokens (from the hidden states, or a sampling graph's GraphLogits), queued to the
+        host. Returns (prompt-logprob rows, host copies)."""
         host = {}
         if isinstance(hidden, GraphLogits):    # a decode step: every row samples
             self._sample_rows(batch, samplers, hidden.logits, host, hidden.greedy)
-            return samplers, [], host
+            return [], host
         prompt_rows = self._prompt_logprob_rows(batch, qsl)
         rows = [qsl[i + 1] - 1 for i in samplers]
         if not prompt_rows and rows == list(range(hidden.shape[0])):
@@ -164,7 +167,7 @@ class ModelRunner(RunnerStartup):
                 self._sample_rows(batch, samplers, self.model.compute_logits(hidden[index[:len(rows)]]), host)
             if prompt_rows:
                 host["prompt"] = self._prompt_logprob_tensors(batch, prompt_rows, hidden, index[len(rows):])
-        return samplers, prompt_rows, host
+        return prompt_rows, host
 
     def _sample_rows(self, batch, samplers, logits, host, greedy=None):
         """`greedy`: the logits' argmax, where a sampling graph made it."""
@@ -237,19 +240,6 @@ class ModelRunner(RunnerStartup):
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Launch and finish at once (the synchronous loop, tests, benchmarks)."""
         return self.finish(self.launch(batch))
-
-
-def sampling_rows(batch: ScheduledBatch) -> list[int]:
-    """The batch rows that sample: those whose step reaches their last known token."""
-    return [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-            if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
-
-
-def all_rows_sample(batch: ScheduledBatch) -> bool:
-    """A decode graph's condition beyond one token a row: a one-token prefill chunk mid-prompt
-    (a token budget's last) neither samples nor, in a sampling graph, keeps the hidden state its
-    prompt logprob needs."""
-    return len(sampling_rows(batch)) == len(batch.seqs)
 
 
 def _kind(batch: ScheduledBatch) -> str:

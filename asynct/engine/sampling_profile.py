@@ -43,7 +43,8 @@ def sample_dummy_rows(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tens
     runner.penalty_counts = PenaltyCounts(rows_hint=counts.rows_hint)
     try:
         with torch.random.fork_rng(devices=[hidden.device] if hidden.is_cuda else []):
-            runner._sample(ScheduledBatch(seqs, [1] * num_rows, num_rows), hidden, qsl)
+            batch = ScheduledBatch(seqs, [1] * num_rows, num_rows)
+            runner._sample(batch, batch.sampling_rows, hidden, qsl)
         return runner.last_sampled
     finally:
         runner.last_sampled, runner.penalty_counts = last, counts

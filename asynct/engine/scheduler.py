@@ -29,6 +29,12 @@ class ScheduledBatch:
     def is_decode_only(self) -> bool:
         return self.num_decodes == len(self.seqs)
 
+    @property
+    def sampling_rows(self) -> list[int]:
+        """The rows that sample: those whose step reaches their last known token."""
+        return [i for i, (s, n) in enumerate(zip(self.seqs, self.num_tokens))
+                if s.num_computed_tokens + n >= len(s) + s.num_pending_tokens]
+
 
 def _prompt_part(seq: Sequence, n: int) -> int:
     """How many of the next `n` tokens `seq` computes are prompt tokens."""
