@@ -24,7 +24,7 @@ from asynct.ops.asynci_prefill import (PREFILL_CONFIGS, asynci_prefill_triton,  
 from kernels import BF, D, HKV, HQ, bench, n_sets, paged  # noqa: E402
 
 CASES = ((1, 512), (1, 2048), (1, 8192), (8, 512))
-EXTRA = ((128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 32, 4, 2), (32, 64, 4, 2))
+EXTRA = ((64, 32, 4, 2), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3))
 SPLITS = (1, 2, 3, 4, 6, 8)
 
 

@@ -15,15 +15,26 @@ from asynct.ops.kv_cache import check_kv_scales, is_fp8
 
 
 @_jit
-def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head,
-                 BS: tl.constexpr, D: tl.constexpr):
-    """Rows `keys` of one KV head from a paged cache [num_blocks, BS, HKV, D] of any strides
-    (s_blk, s_tok, s_head; unit stride along D) -> [N, D]. Strides let vLLM's block-major
+def kv_row_offsets(bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head, BS: tl.constexpr):
+    """Element offsets of rows `keys` of one KV head in a paged cache [num_blocks, BS, HKV, D]
+    of any strides (s_blk, s_tok, s_head; unit stride along D). Strides let vLLM's block-major
     cache [num_blocks, 2, BS, HKV, D] be read in place."""
     blk = tl.load(bt_row_ptr + keys // BS, mask=mask, other=0)
-    row = blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
+    return blk.to(tl.int64) * s_blk + (keys % BS) * s_tok + kv_head * s_head
+
+
+@_jit
+def load_rows(cache_ptr, rows, mask, D: tl.constexpr):
+    """[N, D] from the row offsets of kv_row_offsets."""
     d = tl.arange(0, D)
-    return tl.load(cache_ptr + row[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+    return tl.load(cache_ptr + rows[:, None] + d[None, :], mask=mask[:, None], other=0.0)
+
+
+@_jit
+def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head,
+                 BS: tl.constexpr, D: tl.constexpr):
+    """Rows `keys` of one KV head -> [N, D] (kv_row_offsets, then load_rows)."""
+    return load_rows(cache_ptr, kv_row_offsets(bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head, BS), mask, D)
 
 
 @_jit

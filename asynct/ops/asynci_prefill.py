@@ -16,8 +16,8 @@ the P-1 scores left of its first key, as the decode kernel does."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pow2, tl, triton
-from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, load_kv_rows, scale_args,
-                                      sm_count, split_output, sum_all_splits)
+from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, kv_row_offsets, load_kv_rows, load_rows,
+                                      scale_args, sm_count, split_output, sum_all_splits)
 # the plan, re-exported where benchmarks and tests have always found it
 from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, _block_m, _slice_keys,  # noqa: F401
                                             _split_config, plan_prefill)
@@ -48,13 +48,18 @@ def _pool_operand(r, dtype: tl.constexpr):
 
 
 @_jit
-def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, f_cur, f_prev, kvh,
+def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev, f_cur, f_prev, kvh,
           s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
+    """One key tile at j0, whose cache rows the tile before found (`rows`); returns the new
+    acc and r and the next tile's rows. Found in the same iteration, the K/V loads waited on a
+    block-table load of their own, and the pipeliner kept two buffers at most whatever
+    num_stages said (sm_90 compiles: three and four with the rows carried)."""
     keys = j0 + tl.arange(0, BLOCK_N)
     kmask = keys < hi
-    k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-    v = load_kv_rows(v_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+    k = load_rows(k_ptr, rows, kmask, D).to(q.dtype)
+    v = load_rows(v_ptr, rows, kmask, D).to(q.dtype)
+    rows = kv_row_offsets(bt_row, keys + BLOCK_N, keys + BLOCK_N < hi, kvh, s_blk, s_tok, s_head, BS)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r = tl.maximum(s, 0.0) if RELU else s
     if MASKED:  # keys past a query's position pool as zeros (only later keys read them)
@@ -73,7 +78,7 @@ def _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev, f_cur, f_pre
     a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
     if MASKED:
         a = tl.where(valid, a, 0.0)
-    return tl.dot(a.to(v.dtype), v, acc, input_precision=PREC), r
+    return tl.dot(a.to(v.dtype), v, acc, input_precision=PREC), r, rows
 
 
 @_jit
@@ -138,14 +143,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
             r_prev = _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS, D,
                            BLOCK_N, P, RELU, PREC, POOL_T)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    # the two loops' tiles are consecutive (lo and full are whole tiles): the rows carry over
+    keys = lo + tl.arange(0, BLOCK_N)
+    rows = kv_row_offsets(bt_row, keys, keys < hi, kvh, s_blk, s_tok, s_head, BS)
     for j0 in range(lo, tl.minimum(full, end), BLOCK_N):
-        acc, r_prev = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev,
-                            f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
-                            False)
+        acc, r_prev, rows = _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev,
+                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU,
+                                  PREC, False)
     for j0 in range(tl.maximum(full, lo), end, BLOCK_N):
-        acc, r_prev = _tile(q, k_ptr, v_ptr, bt_row, j0, hi, pos, sigma, acc, r_prev,
-                            f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC,
-                            True)
+        acc, r_prev, rows = _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev,
+                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU,
+                                  PREC, True)
     acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)   # per split: the partials of scaled sums add
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])

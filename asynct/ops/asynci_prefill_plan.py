@@ -11,8 +11,12 @@ PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stage
 # The only tile configs the launch plan picks. Enough query tiles: the 64-key tile, unsplit; too
 # few: 32-key tiles over key splits (H200, benchmarks/RESULTS.md: at 2K tokens 0.96 of SDPA flash
 # against 0.83 for 64-key tiles split alike; unsplit, 32-key tiles lose, 0.67-0.81). A pool wider
-# than 33 keys needs the 64-key tile split too. A 128-query tile lost on every shape.
-PREFILL_CONFIGS = (PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 32, 4, 2))
+# than 33 keys needs the 64-key tile split too. Since the kernel finds a tile's cache rows one
+# tile ahead, stages past two buffer deeper, and the split tiles load three deep. Plans against
+# the kernel before both (x SDPA flash): 1 x 512 1.09 against 1.05, 2K 1.17-1.18 against 1.24,
+# 8K 1.25 both, 8 x 512 (unsplit, 64-key tiles) 0.98-0.99 against 0.94 (H200, RESULTS.md). A
+# 128-query tile of 8 warps three deep won at 8K tokens only (1.40 against 1.25).
+PREFILL_CONFIGS = (PrefillConfig(64, 64, 4, 2), PrefillConfig(64, 32, 4, 3))
 MAX_SPLITS = 8
 MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one tile
 
