@@ -354,6 +354,28 @@ def test_prefill_plan_uses_only_the_fixed_configs():
                     assert (splits - 1) * _slice_keys(n + 100, splits, cfg.block_n) < n + 100  # none empty
 
 
+def test_prefill_kv_loads_buffer_as_deep_as_its_stages():
+    """Compiled for sm_90 here (no GPU): a key tile's cache rows are found one tile ahead, so
+    the pipeliner buffers the K/V loads num_stages deep. Found in the tile's own iteration, it
+    kept two buffers at most, and the split config's third stage bought nothing. Neither spills."""
+    pytest.importorskip("triton")
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # real compiles
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_report.py")], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(r"^prefill \S+, \d+ warps, (\d+) stages \| \d+ \| (\d+) \| [\d.]+ \| ([\d/]+) \|",
+                      out.stdout, re.M)
+    assert len(rows) == 2 and any(int(st) > 2 for st, _, _ in rows), out.stdout
+    for stages, spill, buffers in rows:
+        assert max(map(int, buffers.split("/"))) == int(stages) and spill == "0", out.stdout
+
+
 def test_kernels_read_a_block_major_cache_in_place():
     """vLLM's cache is [num_blocks, 2, ...]: viewed as [2, num_blocks, ...] it has other strides;
     every kernel takes it as it is."""
