@@ -286,6 +286,20 @@ def test_launch_plan_gemv_rows(monkeypatch):
                 assert n == TILE_N
 
 
+def test_launch_plan_caps_registers_only_where_k_is_one_small_tile():
+    """Gate/up's one-row GEMV takes the register cap at K 1,024 (one tile), not past one tile
+    (the cap would spill), nor at a K that leaves the tile partly masked; no other op takes it."""
+    from asynct.ops.fused_linear import GEMV, GEMV_MAX_REGISTERS, _plan
+    assert GEMV_MAX_REGISTERS == {"reglu": 40}
+    for k, capped in [(1024, True), (512, True), (2048, False), (896, False), (3072, False)]:
+        plan = _plan(torch.zeros(1, k, dtype=torch.bfloat16), k, "reglu")[1]
+        assert plan.get("maxnreg") == (40 if capped else None), k
+    for op in set(GEMV) - {"reglu"}:
+        for m in (1, 2):
+            plan = _plan(torch.zeros(m, 1024, dtype=torch.bfloat16), 1024, op)[1]
+            assert plan is not None and "maxnreg" not in plan, (op, m)
+
+
 @pytest.mark.parametrize("budget", [0, 1 << 20])
 @pytest.mark.parametrize("t", [1, 2])
 def test_gemv_whole_k_tile_and_k_tiles(monkeypatch, budget, t):

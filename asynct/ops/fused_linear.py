@@ -42,6 +42,11 @@ GEMV_WIDE_ROWS_MAX_K = 8192
 # bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at
 # 2), K tiles after the wait.
 GEMV_EARLY_ELEMENTS = 8192
+# A register cap a thread, by op, where its GEMV's whole K (<= 1,024) is one tile. Gate/up's
+# one-row programs take 48 at will, so 10 fit an SM and bench-0.6b's 1,536 ran in two waves; at
+# 40, 12 fit, all in one (batch-1 steps 1.012-1.014x faster, three processes, both orders; H200,
+# RESULTS.md). Past one tile of 1,024 the cap spills (sm_90 compiles: K 2,048 266 bytes).
+GEMV_MAX_REGISTERS = {"reglu": 40}
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
@@ -144,8 +149,10 @@ def _plan(x, k, op):
     whole = triton.next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
     block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
+    cap = {"maxnreg": GEMV_MAX_REGISTERS[op]} if op in GEMV_MAX_REGISTERS and block_k == k <= 1024 else {}
     return rows, dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-                      PRECISION="ieee", num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **pdl_args(x))
+                      PRECISION="ieee", num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **cap,
+                      **pdl_args(x))
 
 
 def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
