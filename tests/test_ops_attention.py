@@ -366,8 +366,9 @@ def test_prefill_kv_loads_buffer_as_deep_as_its_stages():
     from pathlib import Path
     root = Path(__file__).resolve().parent.parent
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}   # real compiles
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_report.py")], env=env, cwd=root,
-                         capture_output=True, text=True, timeout=300)
+    script = root / "benchmarks" / "compile_report.py"
+    out = subprocess.run([sys.executable, str(script), "--skip-linears"], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = re.findall(r"^prefill \S+, \d+ warps, (\d+) stages \| \d+ \| (\d+) \| [\d.]+ \| ([\d/]+) \|",
                       out.stdout, re.M)
