@@ -33,7 +33,7 @@ dec = importlib.import_module("asynct.ops.asynci_decode")    # the modules, not 
 pre = importlib.import_module("asynct.ops.asynci_prefill")
 
 SM90 = GPUTarget("cuda", 90, 32)
-REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED = 65536, 228 << 10, 1 << 10
+REGS_PER_SM, SMEM_PER_SM, SMEM_RESERVED, WARPS_PER_SM, PROGRAMS_PER_SM = 65536, 228 << 10, 1 << 10, 64, 32
 
 
 def _signature(kernel, args, constexprs):
@@ -74,7 +74,8 @@ def compile_sm90(kernel, args, constexprs, num_warps, num_stages, maxnreg=None):
     spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     smem = k.metadata.shared
     buffers = sorted({int(n) for n in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x", k.asm["ttgir"])})
-    programs = min(REGS_PER_SM // (regs * 32 * num_warps), SMEM_PER_SM // (smem + SMEM_RESERVED), 32)
+    programs = min(REGS_PER_SM // (regs * 32 * num_warps), SMEM_PER_SM // (smem + SMEM_RESERVED),
+                   WARPS_PER_SM // num_warps, PROGRAMS_PER_SM)
     return dict(regs=regs, spill=spill, smem=smem, buffers=buffers, programs=programs)
 
 
