@@ -32,7 +32,12 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # (0.95x as an op); QKV ran batch-1 steps 1.01x faster at 4 warps, batch-2 ones 1.04x at 8.
 # At 3-4 rows (untuned warps) o_proj/down off their dot tiles took batch-4 steps from 1.066 to
 # 0.998 ms (with a since-reverted argmax in the run); QKV's and the joined reduction 1.01-1.02x.
-GEMV = {"qkv": ((8, 8, 4, 4), 512, (4, 8, 8, 8)), "reglu": ((4,), 1024, (4,)),
+# A fourth element caps a thread's registers at each row count, where the whole K (<= 1,024) is
+# one tile: gate/up's one-row programs take 48 at will, so 10 fit an SM and bench-0.6b's 1,536
+# ran in two waves; at 40, 12 fit, all in one (batch-1 steps 1.012-1.014x faster, three processes,
+# both orders; RESULTS.md). The cap holds for this config only: K 2,048 spills 266 bytes, 8 rows
+# or 2 warps 4-286 (sm_90 compiles, benchmarks/compile_report.py's method).
+GEMV = {"qkv": ((8, 8, 4, 4), 512, (4, 8, 8, 8)), "reglu": ((4,), 1024, (4,), (40,)),
         "dyht_add": ((2,) * 4, 1024, (4, 4, 4, 4))}
 GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Past two rows only up to this K: four accumulators of a wider K spill (sm_90: down at K 11,008
@@ -42,11 +47,6 @@ GEMV_WIDE_ROWS_MAX_K = 8192
 # bf16, 64 fp32 registers a thread at 4 warps. Past it (K > 1,024 at 8 weight rows, > 4,096 at
 # 2), K tiles after the wait.
 GEMV_EARLY_ELEMENTS = 8192
-# A register cap a thread, by op, where its GEMV's whole K (<= 1,024) is one tile. Gate/up's
-# one-row programs take 48 at will, so 10 fit an SM and bench-0.6b's 1,536 ran in two waves; at
-# 40, 12 fit, all in one (batch-1 steps 1.012-1.014x faster, three processes, both orders; H200,
-# RESULTS.md). Past one tile of 1,024 the cap spills (sm_90 compiles: K 2,048 266 bytes).
-GEMV_MAX_REGISTERS = {"reglu": 40}
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
@@ -141,7 +141,7 @@ def _plan(x, k, op):
     CUDA-core path for as few rows as it wins at, else 16-row dot tiles (_tiles, which needs
     the program count: the caller's). The GEMV takes one K tile where its rows fit
     GEMV_EARLY_ELEMENTS, else the table's."""
-    rows, block_k, warps = GEMV[op]
+    rows, block_k, warps, *caps = GEMV[op]
     m = x.shape[0]
     if m > min(len(warps), GEMV_MAX_ROWS) or (m > 2 and k > GEMV_WIDE_ROWS_MAX_K):
         return TILE_N, None
@@ -149,7 +149,7 @@ def _plan(x, k, op):
     whole = triton.next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
     block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
-    cap = {"maxnreg": GEMV_MAX_REGISTERS[op]} if op in GEMV_MAX_REGISTERS and block_k == k <= 1024 else {}
+    cap = {"maxnreg": caps[0][m - 1]} if caps and caps[0][m - 1] and block_k == k <= 1024 else {}
     return rows, dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, EVEN_K=k % block_k == 0,
                       PRECISION="ieee", num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **cap,
                       **pdl_args(x))
