@@ -88,10 +88,13 @@ def decode_reports():
     args = dict(ATTN, out_ptr="*fp32", plen_ptr="*i32", pre_ptr="*fp32", sqb=1024, sqh=128, sbt=64,
                 sob=1024 * 8, soh=128 * 8, sos=128, S_PRE=5)
     n, w, st = dec.BLOCK_N, 4, 2    # asynci_decode_triton's launch
-    for cascade in (False, True):
-        consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, PDL=True)
-        yield f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}", \
-            compile_sm90(dec._decode_kernel, args, consts, w, st)
+    for fp8 in (False, True):
+        kv = dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv") if fp8 else {}
+        for cascade in (False, True):
+            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PDL=True)
+            cap = dec.MAX_REGISTERS[cascade, fp8]
+            yield f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, fp8 {fp8}, cap {cap}", \
+                compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st, cap)
 
 
 def prefill_reports():

@@ -22,6 +22,13 @@ from asynct.ops.paged_ref import asynci_decode_ref
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
+# Registers a thread (`maxnreg`), by (adds a shared prefix's partials, FP8 cache): what fits 4
+# programs an SM (sm_90). Uncapped, the bf16 cascade variant takes 160 (3 an SM; at 128 no spill)
+# and the FP8 ones 200 (2 an SM; at 128 a 140-byte spill). Capped, H200 steps of 128 sequences
+# ran 1.11x (384 keys) to 1.24x (2,048) faster, 256 sequences 1.10x on average, FP8 steps
+# 1.03-1.20x, FP8 decode alone 1.13-1.18x (benchmarks/RESULTS.md). The bf16 plain variant's 124
+# already fits 4; at 96 (5 an SM) it ran batch-8 steps 3 % slower.
+MAX_REGISTERS = {(False, False): None, (True, False): 128, (False, True): 128, (True, True): 128}
 
 
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
@@ -176,11 +183,12 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                            num_stages)
     dst, strides = split_output(out, splits)
     plen = prefix_len if s_pre else seq_lens
+    cap = MAX_REGISTERS[s_pre > 0, fp8]
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
         q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, **consts, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(q))
+        num_stages=num_stages, **({"maxnreg": cap} if cap else {}), **pdl_args(q))
     return sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
 
