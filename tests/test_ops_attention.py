@@ -1,5 +1,7 @@
 """Paged AsyncI kernels (Triton under TRITON_INTERPRET=1 on CPU; Triton and CUDA on a GPU)
 against the paged references, and the references against the dense one and a float64 loop."""
+import itertools
+
 import pytest
 import torch
 
@@ -280,6 +282,14 @@ def test_prefill_triton_interpreted(hq, hkv, d, bs, pool, relu, q_lens, ctx, blo
     assert err < 1e-5
 
 
+def test_prefill_wide_config_interpreted():
+    """WIDE_CONFIG's tiles (128 query rows, 64 keys) over chunks shorter and longer than one."""
+    from asynct.ops.asynci_prefill import WIDE_CONFIG
+    err = prefill_case(asynci_prefill_triton, [150, 3, 64], [0, 70, 129], 4, 2, 16, 16, 3, True, device=DEV,
+                       **WIDE_CONFIG._asdict())
+    assert err < 1e-5
+
+
 def test_prefill_refuses_a_pool_wider_than_its_tiles():
     with pytest.raises(ValueError, match="pool_size 18"):
         prefill_case(asynci_prefill_triton, [20], [0], 2, 2, 16, 4, 18, True, device=DEV, block_m=16,
@@ -342,16 +352,35 @@ def test_prefill_plan_uses_only_the_fixed_configs():
     assert plan_prefill(1, 512, 512, 4, 2) == (split, 4)
     assert plan_prefill(1, 16, 16, 4, 2) == (whole, 1)      # too few keys to split
     assert plan_prefill(1, 64, 4064, 4, 2) == (split, MAX_SPLITS)   # short chunk, long prefix
-    for pool in (1, 3, 33, 34, 65):
-        warmed = prefill_variants(pool)     # what the engine's warm-up compiles
+    for pool, wide in itertools.product((1, 3, 33, 34, 65), (False, True)):
+        warmed = prefill_variants(pool, wide)     # what the engine's warm-up compiles
         assert all(c.block_n >= pool - 1 for c, _ in warmed)    # each runs with this pool
         for b in (1, 2, 5, 64):
             for n in (1, 17, 300, 2048, 40000):
                 for hkv, g in ((1, 1), (4, 2), (2, 6), (8, 16)):
-                    cfg, splits = plan_prefill(b, n, n + 100, hkv, g, pool_size=pool)
+                    cfg, splits = plan_prefill(b, n, n + 100, hkv, g, pool_size=pool, wide=wide)
                     assert (cfg, min(splits, 2)) in warmed and 1 <= splits <= MAX_SPLITS
                     assert cfg.block_n >= pool - 1
                     assert (splits - 1) * _slice_keys(n + 100, splits, cfg.block_n) < n + 100  # none empty
+
+
+def test_prefill_plan_takes_the_wide_config_where_it_fits_and_fills_the_sms():
+    """The 128-query config where it fits (wide_fits) and its tiles give two programs an SM;
+    everywhere else the plan it replaced. Warm-up compiles it exactly where a plan can pick it."""
+    from asynct.ops.asynci_prefill import PREFILL_CONFIGS, WIDE_CONFIG, plan_prefill, prefill_variants, wide_fits
+    whole, split = PREFILL_CONFIGS
+    for b, n in ((1, 8192), (2, 4096), (4, 2048), (8, 1024), (16, 1024)):   # >= 264 programs of 64 queries
+        assert plan_prefill(b, n, n, 4, 2, wide=True) == (WIDE_CONFIG, 1)
+        assert plan_prefill(b, n, n, 4, 2) == (whole, 1)
+    for b, n in ((1, 4096), (8, 512), (1, 2048), (1, 512), (3, 100)):        # fewer: unchanged
+        assert plan_prefill(b, n, n, 4, 2, wide=True) == plan_prefill(b, n, n, 4, 2) != (WIDE_CONFIG, 1)
+    def fits(d, hq, hkv, dtype=torch.bfloat16, kv_dtype=None):
+        q = torch.zeros(1, hq, d, dtype=dtype)
+        return wide_fits(q, torch.zeros(2, 1, 1, hkv, d, dtype=kv_dtype or dtype))
+    assert fits(128, 8, 4) and fits(64, 4, 4) and fits(128, 16, 4) and fits(32, 6, 2, torch.float16)
+    assert not fits(256, 8, 4) and not fits(128, 8, 4, torch.float32) and not fits(128, 8, 1)
+    assert not fits(128, 8, 4, kv_dtype=torch.float8_e4m3fn)
+    assert (WIDE_CONFIG, 1) in prefill_variants(3, True) and all(c != WIDE_CONFIG for c, _ in prefill_variants(3))
 
 
 def _compile_report():
@@ -382,7 +411,7 @@ def test_prefill_kv_loads_buffer_as_deep_as_its_stages(compile_report):
     import re
     rows = re.findall(r"^prefill \S+, \d+ warps, (\d+) stages \| \d+ \| (\d+) \| [\d.]+ \| ([\d/]+) \|",
                       compile_report, re.M)
-    assert len(rows) == 2 and any(int(st) > 2 for st, _, _ in rows), compile_report
+    assert len(rows) == 3 and any(int(st) > 2 for st, _, _ in rows), compile_report
     for stages, spill, buffers in rows:
         assert max(map(int, buffers.split("/"))) == int(stages) and spill == "0", compile_report
 
@@ -527,4 +556,14 @@ def test_decode_shared_prefix_gpu(hq, hkv, d, bs, pool, relu):
 def test_prefill_gpu(hq, hkv, d, bs, pool, relu):
     err = prefill_case(asynci_prefill_triton, [300, 1, 77, 1024], [0, 500, 1000, 31], hq, hkv, d,
                        bs, pool, relu, torch.bfloat16, "cuda")
+    assert err < 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 128, 16), (8, 8, 64, 32), (4, 1, 32, 16)])
+def test_prefill_wide_config_gpu(hq, hkv, d, bs):
+    """WIDE_CONFIG as the plan launches it (8 warps, 3 stages) where wide_fits admits it."""
+    from asynct.ops.asynci_prefill import WIDE_CONFIG
+    err = prefill_case(asynci_prefill_triton, [300, 1, 77, 1024], [0, 500, 1000, 31], hq, hkv, d, bs, 3,
+                       True, torch.bfloat16, "cuda", **WIDE_CONFIG._asdict())
     assert err < 1e-2

@@ -19,8 +19,8 @@ from asynct.ops._triton import jit as _jit, pow2, tl, triton
 from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, kv_row_offsets, load_kv_rows, load_rows,
                                       scale_args, sm_count, split_output, sum_all_splits)
 # the plan, re-exported where benchmarks and tests have always found it
-from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, _block_m, _slice_keys,  # noqa: F401
-                                            _split_config, plan_prefill)
+from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, WIDE_CONFIG, _block_m,  # noqa: F401
+                                            _slice_keys, _split_config, plan_prefill, wide_fits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -194,7 +194,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     g = hq // hkv
     g_pad = triton.next_power_of_2(g)
     sms = sm_count(q)
-    cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size)
+    cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size, wide_fits(q, kv_cache))
     splits = splits or (plan_splits if block_m is None else 1)
     if splits > MAX_SPLITS:
         raise ValueError(f"{splits} key splits, more than the {MAX_SPLITS} the split sum is compiled for")
@@ -218,10 +218,11 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     return sum_all_splits(dst, out, splits, MAX_SPLITS, query_start_loc)
 
 
-def prefill_variants(pool_size=1):
+def prefill_variants(pool_size=1, wide=False):
     """Every compiled variant `plan_prefill` can pick for a pool: the whole-key config unsplit,
-    the split config split (any split count > 1 shares one compile)."""
-    return [(PREFILL_CONFIGS[0], 1), (_split_config(pool_size), 2)]
+    the split config split (any split count > 1 shares one compile), the wide config unsplit
+    where it fits (wide_fits)."""
+    return [(PREFILL_CONFIGS[0], 1), (_split_config(pool_size), 2)] + [(WIDE_CONFIG, 1)] * wide
 
 
 def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
@@ -229,7 +230,7 @@ def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, s
     """Runs (so compiles) every prefill variant: the engine's start-up warm-up. CUDA only."""
     if not (q.is_cuda and triton is not None):
         return out
-    for cfg, splits in prefill_variants(pool_size):
+    for cfg, splits in prefill_variants(pool_size, wide_fits(q, kv_cache)):
         asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                               pool_size, relu_pre, out, max_query_len, max_seq_len,
                               **cfg._asdict(), splits=splits, k_scale=k_scale, v_scale=v_scale)
