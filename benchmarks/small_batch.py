@@ -15,12 +15,13 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
    write to the attention backend, one whose linears do not prefetch their weights into L2
    while the kernel before runs, one whose linears take dot tiles at every row count (no
-   GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, and one
-   without fused linears, against the step's roofline: weights + KV read once at the copy
-   bandwidth."""
+   GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose decode
+   kernel keeps the compiler's register counts (no caps: try --batches 128), and one without
+   fused linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
 import argparse
 import contextlib
 import gc
+import importlib
 import tempfile
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from asynct.model.checkpoint import make_checkpoint
 from asynct.ops import _triton, fused_linear as fl
 from asynct.ops.rope import rope_cos_sin_cache
 
+dec = importlib.import_module("asynct.ops.asynci_decode")   # the module: ops re-exports a function of its name
 C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
 BF = torch.bfloat16
 
@@ -78,6 +80,17 @@ def no_prefetch():
         yield
     finally:
         fl.L2_PREFETCH = True
+
+
+@contextlib.contextmanager
+def no_decode_caps():
+    """The decode kernel at the compiler's register counts (asynci_decode.MAX_REGISTERS off)."""
+    orig = dict(dec.MAX_REGISTERS)
+    dec.MAX_REGISTERS.update(dict.fromkeys(orig))
+    try:
+        yield
+    finally:
+        dec.MAX_REGISTERS.update(orig)
 
 
 @contextlib.contextmanager
@@ -231,6 +244,7 @@ def hidden_state_graphs():
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
+         "no decode caps": no_decode_caps,
          "fused": contextlib.nullcontext}
 
 
