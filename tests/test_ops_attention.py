@@ -404,6 +404,28 @@ def compile_report():
     return _compile_report()
 
 
+def test_decode_launch_takes_the_register_cap_of_its_variant(monkeypatch):
+    """MAX_REGISTERS reaches the launch as maxnreg, by variant (plain or cascade); a variant
+    without a cap launches with the compiler's count."""
+    import importlib
+    dec = importlib.import_module("asynct.ops.asynci_decode")
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+    monkeypatch.setattr(dec, "_decode_kernel", Recorder())
+    monkeypatch.setattr(dec, "MAX_REGISTERS", {(False, False): None, (True, False): 96,
+                                               (False, True): 112, (True, True): 104})
+    for prefix in (None, torch.zeros(1, dtype=torch.int32, device=DEV)):
+        cache = torch.zeros(2, 4, 4, 2, 16, device=DEV)
+        q = torch.zeros(2, 4, 16, device=DEV)
+        dec.asynci_decode_triton(q, cache, torch.zeros(2, 2, dtype=torch.int32, device=DEV),
+                                 torch.full((2,), 8, dtype=torch.int32, device=DEV), torch.zeros(4, device=DEV),
+                                 0.25, 3, True, torch.empty_like(q), splits=1, prefix_len=prefix, prefix_splits=1)
+    assert [kw.get("maxnreg") for kw in launches] == [None, 96]
+
+
 def test_prefill_kv_loads_buffer_as_deep_as_its_stages(compile_report):
     """A key tile's cache rows are found one tile ahead, so the pipeliner buffers the K/V loads
     num_stages deep. Found in the tile's own iteration, it kept two buffers at most, and the
