@@ -4,16 +4,19 @@ DyHT. At batch 1-32 a decode step is bound by launches and ramp-ups, not bytes: 
 layer (cuBLAS added a split-K reduction to two of them) become 4 plus attention. DyHT has no
 reduction, so a program that owns a tile of output columns can finish it alone.
 
-The kernels are in fused_linear_kernels.py; this module checks, plans and launches them.
+The kernels are in fused_linear_kernels.py, what they take in fused_linear_checks.py; this module
+plans and launches them.
 
 Each op's `*_unfused` twin is the composition of the ops it fuses (their own dispatch: Triton on
 CUDA, torch references elsewhere): the test reference, and the path of CPUs and larger batches."""
 import torch
 import torch.nn.functional as F
 
-from asynct.ops._triton import pdl_args, pow2, triton
+from asynct.ops._triton import pdl_args, triton
 from asynct.ops.asynci_common import scale_args, sm_count
 from asynct.ops.dyht import _param_stride, dyht_add
+from asynct.ops.fused_linear_checks import (cache_problem, check, head_dim_problem, operands_problem,
+                                            residual_problem)
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.reglu import reglu
@@ -65,37 +68,6 @@ def linear_reglu_unfused(x, weight):
 
 def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     return dyht_add(F.linear(x, weight), residual, alpha, dyht_weight, post_alpha, post_weight)
-
-
-# What the kernels take, as the reason they cannot (None: they can): the *_triton functions
-# raise it, the dispatch functions send such inputs to the unfused ops.
-def _operands_problem(x, weight):
-    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= SMALL_M:
-        return f"x must be [T <= {SMALL_M}, K] with unit last stride, got {tuple(x.shape)}"
-    if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
-        return (f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
-                f"{weight.dtype}")
-    return None
-
-
-def _head_dim_problem(d):
-    if d < 2 * HALF_TILE or not pow2(d):
-        return f"head_dim must be a power of two >= {2 * HALF_TILE}, got {d}"
-    return None
-
-
-def _residual_problem(residual, x, weight):
-    shape = (x.shape[0], weight.shape[0])
-    if (residual is None or residual.shape != shape or not residual.is_contiguous()
-            or residual.dtype != x.dtype):
-        return f"residual must be contiguous {shape} {x.dtype}"
-    return None
-
-
-def _check(*problems):
-    for problem in problems:
-        if problem:
-            raise ValueError(problem)
 
 
 def row_tile(m: int) -> int:
@@ -155,22 +127,11 @@ def _plan(x, k, op):
                       **pdl_args(x))
 
 
-def _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
-    t = x.shape[0]
-    if (kv_cache.shape[3:] != (num_kv_heads, d) or kv_cache.device != x.device or slot_mapping is None
-            or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous()
-            or slot_mapping.device != x.device):
-        return (f"kv_cache must hold {num_kv_heads} heads of {d} and slot_mapping be a contiguous ({t},), "
-                f"both on {x.device}, got {tuple(kv_cache.shape)} and "
-                f"{None if slot_mapping is None else tuple(slot_mapping.shape)}")
-    return None
-
-
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
                                k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
                                k_scale=None, v_scale=None):
     d = cos_sin_cache.shape[-1]
-    _check(_operands_problem(x, weight), _head_dim_problem(d))
+    check(operands_problem(x, weight, SMALL_M), head_dim_problem(d, 2 * HALF_TILE))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, the heads want "
                          f"{(num_heads + 2 * num_kv_heads) * d}")
@@ -184,7 +145,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     write = kv_cache is not None
     if write:
         check_kv_cache(kv_cache)
-        _check(_cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d))
+        check(cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d))
         ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, q_alpha)
         k_out = v = None
         outs = (q, q)       # stand-ins, never written: k and v go to the cache
@@ -204,7 +165,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
 
 
 def linear_reglu_triton(x, weight):
-    _check(_operands_problem(x, weight))
+    check(operands_problem(x, weight, SMALL_M))
     if weight.shape[0] % 2:
         raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
     (t, k), i = x.shape, weight.shape[0] // 2
@@ -217,7 +178,7 @@ def linear_reglu_triton(x, weight):
 
 
 def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
-    _check(_operands_problem(x, weight), _residual_problem(residual, x, weight))
+    check(operands_problem(x, weight, SMALL_M), residual_problem(residual, x, weight))
     (t, k), n = x.shape, weight.shape[0]
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
@@ -236,7 +197,7 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
 
 def _fast(x, weight) -> bool:
     """The fused kernels serve decode-sized CUDA batches; the rest runs the unfused ops."""
-    return x.is_cuda and triton is not None and _operands_problem(x, weight) is None
+    return x.is_cuda and triton is not None and operands_problem(x, weight, SMALL_M) is None
 
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
@@ -252,9 +213,9 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
             cos_sin_cache)
     d = cos_sin_cache.shape[-1]
-    if not (_fast(x, weight) and _head_dim_problem(d) is None):
+    if not (_fast(x, weight) and head_dim_problem(d, 2 * HALF_TILE) is None):
         return linear_qk_norm_rope_unfused(*args)
-    if kv_cache is None or _cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
+    if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
         return linear_qk_norm_rope_triton(*args)
     return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale)
 
@@ -267,6 +228,6 @@ def linear_reglu(x, weight):
 
 def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them."""
-    fast = _fast(x, weight) and _residual_problem(residual, x, weight) is None
+    fast = _fast(x, weight) and residual_problem(residual, x, weight) is None
     fn = linear_dyht_add_triton if fast else linear_dyht_add_unfused
     return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)

@@ -1,0 +1,43 @@
+"""What the fused linears (fused_linear.py) take, as the reason they cannot (None: they can): the
+*_triton functions raise it (`check`), the dispatch functions send such inputs to the unfused ops."""
+from asynct.ops._triton import pow2
+
+
+def operands_problem(x, weight, max_rows):
+    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= max_rows:
+        return f"x must be [T <= {max_rows}, K] with unit last stride, got {tuple(x.shape)}"
+    if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
+        return (f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
+                f"{weight.dtype}")
+    return None
+
+
+def head_dim_problem(d, min_d):
+    if d < min_d or not pow2(d):
+        return f"head_dim must be a power of two >= {min_d}, got {d}"
+    return None
+
+
+def residual_problem(residual, x, weight):
+    shape = (x.shape[0], weight.shape[0])
+    if (residual is None or residual.shape != shape or not residual.is_contiguous()
+            or residual.dtype != x.dtype):
+        return f"residual must be contiguous {shape} {x.dtype}"
+    return None
+
+
+def cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
+    t = x.shape[0]
+    if (kv_cache.shape[3:] != (num_kv_heads, d) or kv_cache.device != x.device or slot_mapping is None
+            or slot_mapping.shape != (t,) or not slot_mapping.is_contiguous()
+            or slot_mapping.device != x.device):
+        return (f"kv_cache must hold {num_kv_heads} heads of {d} and slot_mapping be a contiguous ({t},), "
+                f"both on {x.device}, got {tuple(kv_cache.shape)} and "
+                f"{None if slot_mapping is None else tuple(slot_mapping.shape)}")
+    return None
+
+
+def check(*problems):
+    for problem in problems:
+        if problem:
+            raise ValueError(problem)
