@@ -374,6 +374,7 @@ def test_prefill_plan_takes_the_wide_config_where_it_fits_and_fills_the_sms():
         assert plan_prefill(b, n, n, 4, 2) == (whole, 1)
     for b, n in ((1, 4096), (8, 512), (1, 2048), (1, 512), (3, 100)):        # fewer: unchanged
         assert plan_prefill(b, n, n, 4, 2, wide=True) == plan_prefill(b, n, n, 4, 2) != (WIDE_CONFIG, 1)
+
     def fits(d, hq, hkv, dtype=torch.bfloat16, kv_dtype=None):
         q = torch.zeros(1, hq, d, dtype=dtype)
         return wide_fits(q, torch.zeros(2, 1, 1, hkv, d, dtype=kv_dtype or dtype))
@@ -383,8 +384,10 @@ def test_prefill_plan_takes_the_wide_config_where_it_fits_and_fills_the_sms():
     assert (WIDE_CONFIG, 1) in prefill_variants(3, True) and all(c != WIDE_CONFIG for c, _ in prefill_variants(3))
 
 
-def _compile_report():
+@pytest.fixture(scope="module")
+def compile_report():
     """benchmarks/compile_report.py's attention table, compiled for sm_90 here (no GPU)."""
+    pytest.importorskip("triton")
     import os
     import subprocess
     import sys
@@ -396,12 +399,6 @@ def _compile_report():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
-
-
-@pytest.fixture(scope="module")
-def compile_report():
-    pytest.importorskip("triton")
-    return _compile_report()
 
 
 def test_decode_launch_takes_the_register_cap_of_its_variant(monkeypatch):
