@@ -15,14 +15,13 @@ import torch.nn.functional as F
 from asynct.ops._triton import pdl_args, triton
 from asynct.ops.asynci_common import scale_args, sm_count
 from asynct.ops.dyht import _param_stride, dyht_add
-from asynct.ops.fused_linear_checks import (cache_problem, check, head_dim_problem, operands_problem,
-                                            residual_problem)
+from asynct.ops.fused_linear_checks import (SMALL_M, cache_problem, check, head_dim_problem,  # noqa: F401
+                                            operands_problem, residual_problem)
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
-SMALL_M = 32
 L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.py
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
@@ -131,7 +130,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
                                k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
                                k_scale=None, v_scale=None):
     d = cos_sin_cache.shape[-1]
-    check(operands_problem(x, weight, SMALL_M), head_dim_problem(d, 2 * HALF_TILE))
+    check(operands_problem(x, weight), head_dim_problem(d, 2 * HALF_TILE))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
         raise ValueError(f"qkv weight has {weight.shape[0]} rows, the heads want "
                          f"{(num_heads + 2 * num_kv_heads) * d}")
@@ -165,7 +164,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
 
 
 def linear_reglu_triton(x, weight):
-    check(operands_problem(x, weight, SMALL_M))
+    check(operands_problem(x, weight))
     if weight.shape[0] % 2:
         raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
     (t, k), i = x.shape, weight.shape[0] // 2
@@ -178,7 +177,7 @@ def linear_reglu_triton(x, weight):
 
 
 def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
-    check(operands_problem(x, weight, SMALL_M), residual_problem(residual, x, weight))
+    check(operands_problem(x, weight), residual_problem(residual, x, weight))
     (t, k), n = x.shape, weight.shape[0]
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
@@ -197,7 +196,7 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
 
 def _fast(x, weight) -> bool:
     """The fused kernels serve decode-sized CUDA batches; the rest runs the unfused ops."""
-    return x.is_cuda and triton is not None and operands_problem(x, weight, SMALL_M) is None
+    return x.is_cuda and triton is not None and operands_problem(x, weight) is None
 
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,

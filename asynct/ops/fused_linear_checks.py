@@ -2,10 +2,12 @@
 *_triton functions raise it (`check`), the dispatch functions send such inputs to the unfused ops."""
 from asynct.ops._triton import pow2
 
+SMALL_M = 32    # rows a fused linear takes at most (decode-sized steps)
 
-def operands_problem(x, weight, max_rows):
-    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= max_rows:
-        return f"x must be [T <= {max_rows}, K] with unit last stride, got {tuple(x.shape)}"
+
+def operands_problem(x, weight):
+    if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= SMALL_M:
+        return f"x must be [T <= {SMALL_M}, K] with unit last stride, got {tuple(x.shape)}"
     if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
         return (f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
                 f"{weight.dtype}")
