@@ -2,6 +2,7 @@
 bench-0.6b's attention: 8 query / 4 KV heads of 128, P=3, relu_pre, block size 16.
 
     PYTHONPATH=. python3 benchmarks/prefill_sweep.py        # ~2 min on an H200
+    ... prefill_sweep.py --cases 1x4096,16x1024 --splits 1,2 --no-extra   # a shorter grid
 
 Cases: one sequence of 512, 2K and 8K tokens, and 8 sequences of 512. Per case: SDPA flash
 (K/V expanded to the 8 query heads: flash wants equal heads), the launch plan's own choice
@@ -9,6 +10,7 @@ Cases: one sequence of 512, 2K and 8K tokens, and 8 sequences of 512. Per case: 
 Timing as benchmarks/kernels.py (CUDA-graph replay over input sets larger than L2). `err` is the relative
 error against the unsplit first config on the first input set: a broken variant shows there.
 The table printed last gives each variant's speed as SDPA time / its time (>= 1: faster)."""
+import argparse
 import os
 import sys
 
@@ -40,12 +42,12 @@ def make_sets(b, t, gen):
     return sets
 
 
-def variants(b, t):
+def variants(b, t, args):
     """[(name, kwargs of asynci_prefill_triton)]: the plan first, then explicit configs."""
     cfg, splits = plan_prefill(b, t, t, HKV, HQ // HKV, _sm_count(0), wide=True)   # bf16, D 128, groups of 2
     out = [(f"plan {cfg.block_m}x{cfg.block_n} w{cfg.num_warps}s{cfg.num_stages} S{splits}", {})]
-    for bm, bn, w, st in (*PREFILL_CONFIGS, WIDE_CONFIG, *EXTRA):
-        for s in SPLITS:
+    for bm, bn, w, st in (*PREFILL_CONFIGS, WIDE_CONFIG, *(() if args.no_extra else EXTRA)):
+        for s in args.splits:
             kw = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st, splits=s)
             out.append((f"{bm}x{bn} w{w}s{st} S{s}", kw))
     return out
@@ -55,11 +57,24 @@ def rel_err(x, ref):
     return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(f"{b}x{t}" for b, t in CASES),
+                   help="sequences x tokens, comma-separated")
+    p.add_argument("--splits", default=",".join(map(str, SPLITS)), help="key splits per config")
+    p.add_argument("--no-extra", action="store_true", help="only the configs the plan can pick")
+    args = p.parse_args()
+    args.cases = [tuple(map(int, c.split("x"))) for c in args.cases.split(",")]
+    args.splits = [int(s) for s in args.splits.split(",")]
+    return args
+
+
 def main():
+    args = parse_args()
     gen = torch.Generator("cuda").manual_seed(1)
     sigma = torch.randn(HQ, device="cuda")
     table = []   # (case, variant, us, sdpa us)
-    for b, t in CASES:
+    for b, t in args.cases:
         case = f"{b}x{t}"
         sets = make_sets(b, t, gen)
         qsl = torch.arange(0, b * t + 1, t, dtype=torch.int32, device="cuda")
@@ -73,7 +88,7 @@ def main():
                                          t, t, **kw)
         base = PREFILL_CONFIGS[0]
         ref = run(sets[0], dict(zip(base._fields, base), splits=1)).clone()
-        for name, kw in variants(b, t):
+        for name, kw in variants(b, t, args):
             try:
                 err = rel_err(run(sets[0], kw), ref)
                 tm = bench([lambda s=s, kw=kw: run(s, kw) for s in sets])
@@ -84,14 +99,14 @@ def main():
             print(f"{case:8s} {name:24s} {tm * 1e6:9.1f} us  x{t_sdpa / tm:5.2f} sdpa  "
                   f"err {err:.1e}", flush=True)
         del sets
-    print_table(table)
+    print_table(table, args.cases)
 
 
-def print_table(table):
+def print_table(table, cases):
     """table: [(case, variant, us, sdpa us)] -> the ratio grid, variants down, cases across."""
     print("\nprefill: SDPA flash time / variant time (>= 1: at least flash speed), bf16, "
           f"{HQ}q/{HKV}kv x {D}")
-    cases = [f"{b}x{t}" for b, t in CASES]
+    cases = [f"{b}x{t}" for b, t in cases]
     key = lambda name: "plan" if name.startswith("plan") else name  # noqa: E731
     names = list(dict.fromkeys(key(r[1]) for r in table))
     print(f"{'variant':26s}" + "".join(f"{c:>10s}" for c in cases))

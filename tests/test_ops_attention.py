@@ -302,7 +302,7 @@ def test_prefill_plan_takes_the_wide_tile_for_a_wide_pool():
     from asynct.ops.asynci_prefill import PREFILL_CONFIGS, plan_prefill, warmup_prefill
     assert plan_prefill(1, 600, 600, 2, 1)[0].block_n < 39
     cfg, splits = plan_prefill(1, 600, 600, 2, 1, pool_size=40)
-    assert cfg == PREFILL_CONFIGS[0] and splits > 1
+    assert cfg == PREFILL_CONFIGS[1] and splits > 1
     assert prefill_case(asynci_prefill_triton, [150], [0], 2, 2, 16, 16, 40, True, device=DEV) < 1e-5
     q = torch.zeros(20, 2, 16, device=DEV)
     cache = torch.zeros(2, 4, 16, 2, 16, device=DEV)
@@ -342,16 +342,19 @@ def test_prefill_split_sum_reads_only_written_partials(monkeypatch):
 
 
 def test_prefill_plan_uses_only_the_fixed_configs():
-    """Short prompts get the split config and key splits, long ones the whole-key config
-    unsplit; every plan is one of PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""
+    """Short prompts get key splits, long ones none, both with 32-key tiles; every plan is one of
+    PREFILL_CONFIGS with splits in 1..MAX_SPLITS."""
     from asynct.ops.asynci_prefill import (MAX_SPLITS, PREFILL_CONFIGS, _slice_keys, plan_prefill,
                                            prefill_variants)
-    whole, split = PREFILL_CONFIGS
-    assert plan_prefill(1, 8192, 8192, 4, 2) == (whole, 1)
+    short = PREFILL_CONFIGS[0]
+    assert short.block_n == 32
+    assert plan_prefill(1, 8192, 8192, 4, 2) == (short, 1)
+    assert plan_prefill(8, 512, 512, 4, 2) == (short, 1)
+    assert plan_prefill(1, 2048, 2048, 4, 2) == (short, 2)
     # 512 keys: 4 slices of 128 (5 asked for would leave the fifth empty; 4 measured faster)
-    assert plan_prefill(1, 512, 512, 4, 2) == (split, 4)
-    assert plan_prefill(1, 16, 16, 4, 2) == (whole, 1)      # too few keys to split
-    assert plan_prefill(1, 64, 4064, 4, 2) == (split, MAX_SPLITS)   # short chunk, long prefix
+    assert plan_prefill(1, 512, 512, 4, 2) == (short, 4)
+    assert plan_prefill(1, 16, 16, 4, 2) == (short, 1)      # too few keys to split
+    assert plan_prefill(1, 64, 4064, 4, 2) == (short, MAX_SPLITS)   # short chunk, long prefix
     for pool, wide in itertools.product((1, 3, 33, 34, 65), (False, True)):
         warmed = prefill_variants(pool, wide)     # what the engine's warm-up compiles
         assert all(c.block_n >= pool - 1 for c, _ in warmed)    # each runs with this pool
@@ -365,14 +368,16 @@ def test_prefill_plan_uses_only_the_fixed_configs():
 
 
 def test_prefill_plan_takes_the_wide_config_where_it_fits_and_fills_the_sms():
-    """The 128-query config where it fits (wide_fits) and its tiles give two programs an SM;
-    everywhere else the plan it replaced. Warm-up compiles it exactly where a plan can pick it."""
+    """The 128-query config where it fits (wide_fits), the walks are 2K keys or longer and its
+    tiles give 1.5 programs an SM; everywhere else the plan without it. Warm-up compiles it
+    exactly where a plan can pick it."""
     from asynct.ops.asynci_prefill import PREFILL_CONFIGS, WIDE_CONFIG, plan_prefill, prefill_variants, wide_fits
-    whole, split = PREFILL_CONFIGS
-    for b, n in ((1, 8192), (2, 4096), (4, 2048), (8, 1024), (16, 1024)):   # >= 264 programs of 64 queries
+    for b, n in ((1, 4096), (1, 8192), (2, 4096), (4, 2048)):   # >= 198 programs of 64 queries
         assert plan_prefill(b, n, n, 4, 2, wide=True) == (WIDE_CONFIG, 1)
-        assert plan_prefill(b, n, n, 4, 2) == (whole, 1)
-    for b, n in ((1, 4096), (8, 512), (1, 2048), (1, 512), (3, 100)):        # fewer: unchanged
+        assert plan_prefill(b, n, n, 4, 2) == (PREFILL_CONFIGS[0], 1)
+    assert plan_prefill(8, 512, 2048, 4, 2, wide=True) == (WIDE_CONFIG, 1)     # chunks after prefixes
+    # too few programs (1 x 2K: 128), walks too short (8 x 512, 16 x 1K), or both: unchanged
+    for b, n in ((1, 2048), (8, 512), (16, 1024), (8, 1024), (1, 512), (3, 100)):
         assert plan_prefill(b, n, n, 4, 2, wide=True) == plan_prefill(b, n, n, 4, 2) != (WIDE_CONFIG, 1)
 
     def fits(d, hq, hkv, dtype=torch.bfloat16, kv_dtype=None):

@@ -20,7 +20,7 @@ from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, kv_row_offset
                                       scale_args, sm_count, split_output, sum_all_splits)
 # the plan, re-exported where benchmarks and tests have always found it
 from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, WIDE_CONFIG, _block_m,  # noqa: F401
-                                            _slice_keys, _split_config, plan_prefill, wide_fits)
+                                            _slice_keys, key_config, plan_prefill, wide_fits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -102,9 +102,11 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                     RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
     b = tl.program_id(0)
-    qt = tl.num_programs(1) - 1 - tl.program_id(1)  # the longest key walks start first
-    kvh = tl.program_id(2) // S
-    split = tl.program_id(2) % S   # S > 1: this program's share of the keys, out_ptr fp32 partials
+    # query tiles on the slowest grid axis, the longest key walks first: every sequence's and
+    # head's long tiles start before any short one, so the short ones fill the last wave
+    qt = tl.num_programs(2) - 1 - tl.program_id(2)
+    kvh = tl.program_id(1) // S
+    split = tl.program_id(1) % S   # S > 1: this program's share of the keys, out_ptr fp32 partials
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
     q0 = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q0
@@ -202,7 +204,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     if pool_size - 1 > block_n:   # the band products reach back one key tile only
         raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
     dst, strides = split_output(out, splits)
-    grid = (b, triton.cdiv(max_query_len, block_m // g_pad), hkv * splits)
+    grid = (b, hkv * splits, triton.cdiv(max_query_len, block_m // g_pad))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
@@ -219,10 +221,11 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
 
 
 def prefill_variants(pool_size=1, wide=False):
-    """Every compiled variant `plan_prefill` can pick for a pool: the whole-key config unsplit,
-    the split config split (any split count > 1 shares one compile), the wide config unsplit
-    where it fits (wide_fits)."""
-    return [(PREFILL_CONFIGS[0], 1), (_split_config(pool_size), 2)] + [(WIDE_CONFIG, 1)] * wide
+    """Every compiled variant `plan_prefill` can pick for a pool: its 64-query config unsplit and
+    split (any split count > 1 shares one compile), the wide config unsplit where it fits
+    (wide_fits)."""
+    cfg = key_config(pool_size)
+    return [(cfg, 1), (cfg, 2)] + [(WIDE_CONFIG, 1)] * wide
 
 
 def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
