@@ -290,6 +290,25 @@ def test_prefill_wide_config_interpreted():
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("group_bytes,splits", [(1, 1), (1, 3), (3000, 1), (3000, 2)])
+def test_prefill_sequence_groups_interpreted(monkeypatch, group_bytes, splits):
+    """Sequences in groups of one, and of two with a last group of one (its second program
+    walks nothing), split or not: every row still written once, as the reference."""
+    monkeypatch.setattr("asynct.ops.asynci_prefill_plan.GROUP_KV_BYTES", group_bytes)
+    err = prefill_case(asynci_prefill_triton, [40, 1, 20, 33, 9], [0, 9, 45, 2, 20], 4, 2, 16, 4, 3, True,
+                       device=DEV, block_m=16, block_n=16, splits=splits)
+    assert err < 1e-5
+
+
+def test_prefill_sequence_groups_fit_the_kv_budget_and_the_grid():
+    from asynct.ops.asynci_prefill_plan import GROUP_KV_BYTES, seqs_per_group
+    mb = 1 << 20
+    assert seqs_per_group(8, 16, mb) == 8 and seqs_per_group(64, 16, mb) == GROUP_KV_BYTES // mb
+    assert seqs_per_group(GROUP_KV_BYTES // mb + 1, 16, mb) == GROUP_KV_BYTES // mb // 2 + 1   # equal halves
+    assert seqs_per_group(4, 100, 64 * mb) == 1                         # one sequence past the budget
+    assert seqs_per_group(1000, 256, 64 * mb) * 65535 >= 1000 * 256    # groups x tiles fit the grid
+
+
 def test_prefill_refuses_a_pool_wider_than_its_tiles():
     with pytest.raises(ValueError, match="pool_size 18"):
         prefill_case(asynci_prefill_triton, [20], [0], 2, 2, 16, 4, 18, True, device=DEV, block_m=16,

@@ -20,7 +20,7 @@ from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, kv_row_offset
                                       scale_args, sm_count, split_output, sum_all_splits)
 # the plan, re-exported where benchmarks and tests have always found it
 from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, WIDE_CONFIG, _block_m,  # noqa: F401
-                                            _slice_keys, key_config, plan_prefill, wide_fits)
+                                            _slice_keys, key_config, plan_prefill, seqs_per_group, wide_fits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -95,21 +95,24 @@ def _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS: tl.constex
     return _pool_operand(r, POOL_T)
 
 
-@_jit(do_not_specialize=["sbt", "S"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
+@_jit(do_not_specialize=["sbt", "S", "B", "QT"], do_not_specialize_on_alignment=["bt_ptr", "seq_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, out_ptr, scale,
-                    sqt, sqh, sot, soh, sos, sbt, s_blk, s_tok, s_head, G, S, ks_ptr, vs_ptr,
+                    sqt, sqh, sot, soh, sos, sbt, s_blk, s_tok, s_head, G, S, B, QT, ks_ptr, vs_ptr,
                     D: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
                     RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
-    b = tl.program_id(0)
-    # query tiles on the slowest grid axis, the longest key walks first: every sequence's and
-    # head's long tiles start before any short one, so the short ones fill the last wave
-    qt = tl.num_programs(2) - 1 - tl.program_id(2)
+    # groups of num_programs(0) sequences (whose K/V fits in L2) one after another; in a group
+    # the query tiles (QT) on the slowest axis, longest walks first: the group's long tiles of
+    # every sequence and head start before its short ones, which fill the last wave
+    qt = QT - 1 - tl.program_id(2) % QT
+    b = tl.program_id(2) // QT * tl.num_programs(0) + tl.program_id(0)
     kvh = tl.program_id(1) // S
     split = tl.program_id(1) % S   # S > 1: this program's share of the keys, out_ptr fp32 partials
     BLOCK_Q: tl.constexpr = BLOCK_M // G_PAD
+    seq = b < B        # the last group may be short: its other programs walk nothing
+    b = tl.minimum(b, B - 1)
     q0 = tl.load(qsl_ptr + b)
-    q_len = tl.load(qsl_ptr + b + 1) - q0
+    q_len = tl.where(seq, tl.load(qsl_ptr + b + 1) - q0, 0)
     n_keys = tl.load(seq_ptr + b)
     ctx = n_keys - q_len  # keys before this chunk
 
@@ -204,14 +207,16 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     if pool_size - 1 > block_n:   # the band products reach back one key tile only
         raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
     dst, strides = split_output(out, splits)
-    grid = (b, hkv * splits, triton.cdiv(max_query_len, block_m // g_pad))
+    q_tiles = triton.cdiv(max_query_len, block_m // g_pad)
+    group = seqs_per_group(b, q_tiles, max(max_seq_len or 0, max_query_len) * hkv * d * 2 * kv_cache.element_size())
+    grid = (group, hkv * splits, triton.cdiv(b, group) * q_tiles)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
         sigma, dst, float(scale), q.stride(0), q.stride(1), *strides,
-        block_table.stride(0), *k_cache.stride()[:3], g, splits, ks, vs, FP8=fp8, D=d, BS=bs,
+        block_table.stride(0), *k_cache.stride()[:3], g, splits, b, q_tiles, ks, vs, FP8=fp8, D=d, BS=bs,
         G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or cfg.num_warps,
         num_stages=num_stages or cfg.num_stages)

@@ -23,6 +23,12 @@ PREFILL_CONFIGS = (PrefillConfig(64, 32, 4, 3), PrefillConfig(64, 64, 4, 2))
 # past a GQA group of 4 its tile holds no more queries than the 64-query configs'.
 WIDE_CONFIG = PrefillConfig(128, 64, 8, 3)
 WIDE_MIN_KEYS = 2048
+# The K/V of a group of sequences whose query tiles run longest first, groups one after another
+# (H200, x SDPA flash, groups of <= 16 MB against all sequences in one: 64 x 512 0.98 / 0.88,
+# 128 x 256 1.02 / 0.92, 32 x 1K 0.93 / 0.89, 16 x 2K 0.99 / 0.95; one group is what <= 16 MB
+# gets: 8 x 512 1.27, 4 x 1K 1.41; equal groups, not a short last one: an engine's prefill
+# steps of ~16 x 500 tokens 29.5 against 33.8 ms of attention, benchmarks/RESULTS.md)
+GROUP_KV_BYTES = 16 << 20
 MAX_SPLITS = 8
 MIN_SPLIT_TILES = 2     # key tiles per split at least: a halo costs about one tile
 
@@ -63,6 +69,16 @@ def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132
     # count only those that hold keys (1 x 512: 5 slices of 128 keys, the fifth empty, ran
     # 0.95x SDPA flash; 4 ran 1.07x, H200, benchmarks/RESULTS.md)
     return cfg, triton.cdiv(n_keys, _slice_keys(n_keys, splits, cfg.block_n))
+
+
+def seqs_per_group(batch, q_tiles, seq_kv_bytes):
+    """Sequences the prefill kernel takes as one group (its grid's first axis): groups of equal
+    size (no short last group) whose K/V (`seq_kv_bytes` a sequence at most) fits in
+    GROUP_KV_BYTES, one sequence at least, and few enough that the grid's last axis (groups x
+    query tiles) stays within CUDA's 65,535."""
+    fits = max(1, GROUP_KV_BYTES // max(seq_kv_bytes, 1))
+    group = triton.cdiv(batch, triton.cdiv(batch, fits))
+    return min(batch, max(group, triton.cdiv(batch * q_tiles, 65535)))
 
 
 def _slice_keys(n_keys, splits, block_n):
