@@ -24,6 +24,20 @@ def test_bench_cli_on_cpu(tmp_path, tiny_ckpt, capsys):
     assert plot.stat().st_size > 1000
 
 
+def test_bench_prefill_workload_scores_prompts(tmp_path, tiny_ckpt):
+    """The opt-in prefill workload: unrelated prompts, one token each, no decode step to roof."""
+    from asynct.entrypoints.bench import workload
+    reqs = workload("prefill", 259, 1.0)
+    assert len(reqs) == 512 and {sp.max_tokens for _, sp in reqs} == {1}
+    assert 200 <= min(len(p) for p, _ in reqs) and max(len(p) for p, _ in reqs) <= 2000
+    js = tmp_path / "p.json"
+    assert main(["bench", "--model", str(tiny_ckpt), "--workloads", "prefill", "--scale", "0.02",
+                 "--json-out", str(js)]) == 0
+    row, = json.loads(js.read_text())["rows"]
+    assert row["requests"] == 10 and row["output_tokens"] == 10 and row["prefill_tok_s"] > 0
+    assert "step_ms" not in row
+
+
 def test_seed_ablation_runs(tiny_ckpt):
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "seed_ablation.py"), "--model", str(tiny_ckpt),
                         "--requests", "4", "--new-tokens", "2", "--stages", "0,1,2,3"],

@@ -6,7 +6,8 @@ import time
 
 from asynct.engine.sampling_params import SamplingParams
 
-WORKLOADS = ("throughput", "gsm8k", "latency")
+WORKLOADS = ("throughput", "gsm8k", "latency", "prefill")
+DEFAULT_WORKLOADS = WORKLOADS[:3]
 
 
 def copy_bandwidth(device) -> float:
@@ -45,6 +46,9 @@ def workload(name: str, vocab: int, scale: float, seed: int = 0):
                  SamplingParams(temperature=0, ignore_eos=True, max_tokens=s(256))) for _ in range(s(1319))]
     if name == "latency":
         return [(tok(s(128)), SamplingParams(temperature=0, ignore_eos=True, max_tokens=s(512)))]
+    if name == "prefill":      # an evaluation's scoring pass: unrelated prompts of 200-2,000 tokens, one token each
+        return [(tok(rng.randint(s(200), s(2000))), SamplingParams(temperature=0, ignore_eos=True, max_tokens=1))
+                for _ in range(s(512))]
     raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 

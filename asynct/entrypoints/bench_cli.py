@@ -9,7 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from asynct.entrypoints.bench import WORKLOADS, copy_bandwidth, decode_roofline, run_engine, run_hf, workload
+from asynct.entrypoints.bench import (DEFAULT_WORKLOADS, WORKLOADS, copy_bandwidth, decode_roofline, run_engine,
+                                     run_hf, workload)
 from asynct.entrypoints.breakdown import breakdown, print_breakdown
 
 
@@ -60,8 +61,9 @@ def add_parser(sub):
     p.add_argument("--model", default=None, help="checkpoint dir (default: a temporary --preset checkpoint, "
                    "removed afterwards)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: bench-0.6b on CUDA, tiny elsewhere")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), type=workload_names,
-                   help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), type=workload_names,
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (prefill: 512 prompts scored, "
+                   "prefill_tok_s is its number)")
     p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
     p.add_argument("--compare", choices=["hf"], default=None, help="also time the reference model's generate")
     p.add_argument("--hf-requests", type=int, default=None,

@@ -16,8 +16,8 @@ PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stage
 # buffer deeper.
 PREFILL_CONFIGS = (PrefillConfig(64, 32, 4, 3), PrefillConfig(64, 64, 4, 2))
 # Long walks where the 128-query tiles still fill the SMs: 8 warps, three deep, unsplit. H200, x
-# SDPA flash against the 32-key config: 1 x 4K 1.75 / 1.61, 1 x 8K 1.40 / 1.28, 2 x 4K 1.40 / 1.30,
-# 4 x 2K 1.29 / 1.24; at 1K keys equal (8 x 1K 1.19 / 1.20), at 512 it loses (8 x 512 1.19 / 1.27),
+# SDPA flash against the 32-key config: 1 x 4K 1.75 / 1.61, 1 x 8K 1.40 / 1.28, 2 x 4K 1.39 / 1.30,
+# 4 x 2K 1.28 / 1.24; at 1K keys equal (8 x 1K 1.19 / 1.20), at 512 it loses (8 x 512 1.19 / 1.27),
 # and with one program an SM or fewer too (1 x 2K unsplit 1.06, against 1.42 split). It needs 160 KB
 # of shared memory at head_dim 128 in bf16: not at 256 (288 KB) nor with fp32 queries (320 KB);
 # past a GQA group of 4 its tile holds no more queries than the 64-query configs'.
