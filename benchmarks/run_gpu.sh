@@ -54,7 +54,7 @@ for s in $stages; do
              # then a second process (warm cache) without piecewise graphs for the same-run ratio
              for flags in "" "--cudagraph-mode full_decode_only"; do
                timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown $flags \
-                 --workloads gsm8k,gsm8k,throughput,latency --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" \
+                 --workloads gsm8k,gsm8k,throughput,latency,prefill --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" \
                  | tee -a $OUT/runtime.log
              done ;;
     bench) timeout 240 python3 -m asynct.entrypoints.cli bench --model $M --compare hf --gpu-memory-utilization 0.45 \
