@@ -153,6 +153,19 @@ def test_prefill_fp8_interpreted(q_lens, ctx, block_m):
     assert run_prefill(q_lens, ctx, 4, 2, 16, 4, 3, True, device=DEV, block_m=block_m, block_n=16) < 1e-5
 
 
+@pytest.mark.parametrize("lens,splits", [([1, 5, 16, 37], None), ([70, 1, 33], 3)])
+def test_fp8_decode_words_lead(lens, splits):
+    """benchmarks/fp8_decode_words.py, a lead not in the engine (the cache read as int32 words of
+    four e4m3): its words unpack in order, halo, pool and splits as the reference's. On CUDA its
+    conversion is inline PTX and its queries 16-bit."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from fp8_decode_words import decode_words
+    dtype, tol = (torch.bfloat16, 1e-2) if CUDA else (torch.float32, 1e-5)
+    kernel, _ = run_decode(decode_words, lens, 4, 2, 16, 4, 3, True, dtype, DEV, splits=splits)
+    assert kernel < tol
+
+
 @gpu
 @pytest.mark.parametrize("hq,hkv,d,bs", [(8, 4, 128, 16), (16, 4, 128, 32)])
 def test_fp8_kernels_gpu(hq, hkv, d, bs):
