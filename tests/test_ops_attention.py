@@ -306,7 +306,8 @@ def test_prefill_sequence_groups_fit_the_kv_budget_and_the_grid():
     assert seqs_per_group(8, 16, mb) == 8 and seqs_per_group(64, 16, mb) == GROUP_KV_BYTES // mb
     assert seqs_per_group(GROUP_KV_BYTES // mb + 1, 16, mb) == GROUP_KV_BYTES // mb // 2 + 1   # equal halves
     assert seqs_per_group(4, 100, 64 * mb) == 1                         # one sequence past the budget
-    assert seqs_per_group(1000, 256, 64 * mb) * 65535 >= 1000 * 256    # groups x tiles fit the grid
+    for b, q_tiles in ((1000, 256), (7, 16384), (65535, 1), (3, 30000)):   # groups x tiles fit the grid
+        assert -(-b // seqs_per_group(b, q_tiles, 64 * mb)) * q_tiles <= 65535
 
 
 def test_prefill_refuses_a_pool_wider_than_its_tiles():

@@ -78,7 +78,7 @@ def seqs_per_group(batch, q_tiles, seq_kv_bytes):
     query tiles) stays within CUDA's 65,535."""
     fits = max(1, GROUP_KV_BYTES // max(seq_kv_bytes, 1))
     group = triton.cdiv(batch, triton.cdiv(batch, fits))
-    return min(batch, max(group, triton.cdiv(batch * q_tiles, 65535)))
+    return min(batch, max(group, triton.cdiv(batch, max(1, 65535 // q_tiles))))
 
 
 def _slice_keys(n_keys, splits, block_n):
