@@ -392,7 +392,7 @@ def test_prefill_plan_takes_the_wide_config_where_it_fits_and_fills_the_sms():
     tiles give 1.5 programs an SM; everywhere else the plan without it. Warm-up compiles it
     exactly where a plan can pick it."""
     from asynct.ops.asynci_prefill import PREFILL_CONFIGS, WIDE_CONFIG, plan_prefill, prefill_variants, wide_fits
-    for b, n in ((1, 4096), (1, 8192), (2, 4096), (4, 2048)):   # >= 198 programs of 64 queries
+    for b, n in ((1, 4096), (1, 8192), (2, 4096), (4, 2048)):   # >= 198 programs of 128 queries, >= 2K keys
         assert plan_prefill(b, n, n, 4, 2, wide=True) == (WIDE_CONFIG, 1)
         assert plan_prefill(b, n, n, 4, 2) == (PREFILL_CONFIGS[0], 1)
     assert plan_prefill(8, 512, 2048, 4, 2, wide=True) == (WIDE_CONFIG, 1)     # chunks after prefixes
