@@ -35,7 +35,21 @@ def test_bench_prefill_workload_scores_prompts(tmp_path, tiny_ckpt):
                  "--json-out", str(js)]) == 0
     row, = json.loads(js.read_text())["rows"]
     assert row["requests"] == 10 and row["output_tokens"] == 10 and row["prefill_tok_s"] > 0
-    assert "step_ms" not in row
+    assert "step_ms" not in row and row["prefill_over_roofline"] > 0 and row["prefill_tflops"] > 0
+
+
+def test_prefill_flops_count_linears_head_and_causal_attention(tiny_ckpt):
+    """From the config alone: QKV, o_proj, gate/up and down once a token, the head once a
+    prompt, QK^T and a @ V over the causal triangle."""
+    from asynct import LLM
+    from asynct.entrypoints.bench import prefill_flops
+    eng = LLM(str(tiny_ckpt)).llm_engine
+    c = eng.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = (q + 2 * kv) * c.hidden_size + q * c.hidden_size + 3 * c.intermediate_size * c.hidden_size
+    want = lambda n: (2 * c.num_hidden_layers * per_layer * n + 2 * c.vocab_size * c.hidden_size  # noqa: E731
+                      + 4 * c.num_hidden_layers * q * n * (n + 1) / 2)
+    assert prefill_flops(eng.runner.model, c, [1, 7, 30]) == want(1) + want(7) + want(30)
 
 
 def test_seed_ablation_runs(tiny_ckpt):

@@ -24,6 +24,21 @@ def copy_bandwidth(device) -> float:
     return 2 * n / sorted(times[2:])[len(times[2:]) // 2]
 
 
+def matmul_flops(device, dtype) -> float:
+    """FLOP/s of a large square matmul in the engine's dtype (median of 10): a prefill's roof,
+    measured in the run as the copy bandwidth is a decode step's."""
+    import torch
+    n = 8192 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn_like(a)
+    times = []
+    for _ in range(12):
+        t0 = _now(device)
+        a @ b
+        times.append(_now(device) - t0)
+    return 2 * n ** 3 / sorted(times[2:])[len(times[2:]) // 2]
+
+
 def _now(device) -> float:
     import torch
     if device.type == "cuda":
@@ -100,6 +115,25 @@ def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
     roof = sum(wb + r.kv_tokens * kv_per_token for r in steps) / len(steps) / bandwidth
     return {"decode_steps": len(steps), "decode_batch": batch or round(sum(r.num_seqs for r in steps) / len(steps)),
             "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
+
+
+def prefill_flops(model, config, prompt_lens) -> float:
+    """FLOPs of scoring these prompts: every linear but the LM head once a token, the head once
+    a prompt, causal attention's two products (2 x multiply-adds)."""
+    named = dict(model.named_parameters())
+    head = named.get("lm_head.weight", named["embed_tokens.weight"]).numel()
+    linear = sum(p.numel() for n, p in named.items() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
+    attn = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    return sum(2 * linear * n + 2 * head + attn * n * (n + 1) / 2 for n in prompt_lens)
+
+
+def prefill_roofline(result, llm, requests, flops_per_s) -> dict:
+    """A decode-free workload's wall time against its FLOPs at the matmul's rate."""
+    eng = llm.llm_engine
+    flops = prefill_flops(eng.runner.model, eng.config, [len(p) for p, _ in requests])
+    roof = flops / flops_per_s
+    return {"prefill_tflops": flops / result["wall_s"] / 1e12, "prefill_roofline_s": roof,
+            "prefill_over_roofline": result["wall_s"] / roof}
 
 
 def run_hf(model_dir, requests, device, dtype, max_requests) -> dict:

@@ -9,8 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from asynct.entrypoints.bench import (DEFAULT_WORKLOADS, WORKLOADS, copy_bandwidth, decode_roofline, run_engine,
-                                     run_hf, workload)
+from asynct.entrypoints.bench import (DEFAULT_WORKLOADS, WORKLOADS, copy_bandwidth, decode_roofline, matmul_flops,
+                                     prefill_roofline, run_engine, run_hf, workload)
 from asynct.entrypoints.breakdown import breakdown, print_breakdown
 
 
@@ -25,8 +25,8 @@ def _compiled(counter) -> str:
 
 
 def print_table(rows):
-    cols = ["workload", "wall_s", "requests", "output_tok_s", "prefill_tok_s", "decode_batch", "step_ms",
-            "roofline_ms", "step_over_roofline", "compiles", "hf_output_tok_s", "speedup_vs_hf"]
+    cols = ["workload", "wall_s", "requests", "output_tok_s", "prefill_tok_s", "prefill_over_roofline", "decode_batch",
+            "step_ms", "roofline_ms", "step_over_roofline", "compiles", "hf_output_tok_s", "speedup_vs_hf"]
     print(" | ".join(cols))
     for r in rows:
         print(" | ".join(_fmt(r.get(c, "")) for c in cols))
@@ -63,7 +63,7 @@ def add_parser(sub):
     p.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: bench-0.6b on CUDA, tiny elsewhere")
     p.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS), type=workload_names,
                    help=f"comma-separated, of {', '.join(WORKLOADS)} (prefill: 512 prompts scored, "
-                   "prefill_tok_s is its number)")
+                   "against a matmul's FLOP rate measured in the run)")
     p.add_argument("--scale", type=float, default=1.0, help="scales request counts and lengths")
     p.add_argument("--compare", choices=["hf"], default=None, help="also time the reference model's generate")
     p.add_argument("--hf-requests", type=int, default=None,
@@ -119,6 +119,9 @@ def bench(a, model, device):
     from asynct.engine.llm_engine import startup_text
     parts = startup_text(llm.llm_engine.startup_seconds)
     print(f"engine start {time.perf_counter() - t0:.1f} s ({parts})" + _compiled(startup), flush=True)
+    if "prefill" in a.workloads:
+        flops = matmul_flops(device, llm.llm_engine.dtype)
+        print(f"matmul {flops / 1e12:.3g} TFLOP/s ({llm.llm_engine.dtype}): the prefill workload's roof", flush=True)
     rows = []
     for name in a.workloads:
         reqs = workload(name, llm.llm_engine.config.vocab_size, a.scale)
@@ -128,7 +131,7 @@ def bench(a, model, device):
         with _compiles(device) as during:
             res = run_engine(llm, reqs, progress=True)
         batch = min(len(reqs), a.max_num_seqs) if name == "throughput" else None
-        roof = decode_roofline(res, llm, bw, batch)
+        roof = prefill_roofline(res, llm, reqs, flops) if name == "prefill" else decode_roofline(res, llm, bw, batch)
         if a.breakdown:
             print_breakdown(name, breakdown(res["step_log"]), during)
         res.pop("step_log")
