@@ -16,12 +16,7 @@ def copy_bandwidth(device) -> float:
     n = (1 << 30) if device.type == "cuda" else (1 << 26)
     src = torch.randn(n // 4, device=device)
     dst = torch.empty_like(src)
-    times = []
-    for _ in range(12):
-        t0 = _now(device)
-        dst.copy_(src)
-        times.append(_now(device) - t0)
-    return 2 * n / sorted(times[2:])[len(times[2:]) // 2]
+    return 2 * n / _median_seconds(device, lambda: dst.copy_(src))
 
 
 def matmul_flops(device, dtype) -> float:
@@ -31,12 +26,17 @@ def matmul_flops(device, dtype) -> float:
     n = 8192 if device.type == "cuda" else 1024
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn_like(a)
+    return 2 * n ** 3 / _median_seconds(device, lambda: a @ b)
+
+
+def _median_seconds(device, fn) -> float:
+    """fn's median time over 10 runs after 2 warm-up runs."""
     times = []
     for _ in range(12):
         t0 = _now(device)
-        a @ b
+        fn()
         times.append(_now(device) - t0)
-    return 2 * n ** 3 / sorted(times[2:])[len(times[2:]) // 2]
+    return sorted(times[2:])[len(times[2:]) // 2]
 
 
 def _now(device) -> float:
