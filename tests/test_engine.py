@@ -383,7 +383,8 @@ def test_offline_llm_keeps_working_after_a_bad_request(tiny_ckpt, llm_shared, ba
 
 
 @pytest.mark.parametrize("prompt", [{"prompt_token_ids": 5}, {"prompt_token_ids": None}, {"prompt": 5}, 3.5,
-                                    {"prompt_token_ids": [1, "2"]}, {}])
+                                    {"prompt_token_ids": [1, "2"]}, {}, {"prompt_token_ids": "hi"},
+                                    {"prompt": [1, 2]}])
 def test_malformed_prompt_fails_alone(llm_shared, prompt):
     outs = llm_shared.generate([prompt, "hi"], GREEDY, use_tqdm=False)
     assert outs[0].error and outs[0].outputs[0].finish_reason == "error"
@@ -528,3 +529,11 @@ def test_sampling_failure_fails_its_request_alone(llm_shared, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs[:1] + outs[2:]] == want
     assert_all_blocks_free(llm_shared)
     assert llm_shared.generate(prompts, GREEDY, use_tqdm=False)[2].outputs[0].token_ids == want[2]
+
+
+def test_prompt_keys_take_their_own_types(llm_shared):
+    """vLLM's prompt dicts: ids only under prompt_token_ids, text only under prompt; a mix-up is named."""
+    text, ids = llm_shared.generate([{"prompt_token_ids": "hi"}, {"prompt": [1, 2]}], GREEDY, use_tqdm=False)
+    assert "prompt_token_ids is a list" in text.error and "'prompt' is a string" in ids.error
+    same = llm_shared.generate([{"prompt_token_ids": (1, 2)}, {"prompt_token_ids": [1, 2]}], GREEDY, use_tqdm=False)
+    assert same[0].outputs[0].token_ids == same[1].outputs[0].token_ids and same[0].error is None

@@ -93,9 +93,6 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()            # the warm-ups' blocks; the graphs keep their pool
 
-    def replay(self, bs: int, metadata):
-        self.graphs[bs].replay()
-
     def can_run(self, step) -> bool:
         """A decode-only step (StepInputs) that a graph holds."""
         return step.num_decodes == len(step.query_lens) and 0 < step.num_decodes <= self.max_bs
@@ -106,7 +103,8 @@ class CudaGraphRunner:
         n = step.num_decodes
         bs = next(b for b in self.sizes if b >= n)
         self._send_input_ids(ids, pending, last_sampled)
-        self.replay(bs, self.backend.prepare_for_replay(step, bs))
+        self.backend.prepare_for_replay(step, bs)   # its static buffers are the graph's inputs
+        self.graphs[bs].replay()
         if bs > SAMPLING_MAX_BS:
             return self.outputs[bs][:n]
         return GraphLogits(self.logits[:n], self.input_ids[:n])

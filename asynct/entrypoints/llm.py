@@ -131,8 +131,16 @@ def _batch(prompts) -> list:
 def _prompt_input(prompt):
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, dict) and ("prompt_token_ids" in prompt or "prompt" in prompt):
-        return prompt.get("prompt_token_ids", prompt.get("prompt"))     # the engine checks its type
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        ids = prompt["prompt_token_ids"]    # a string here would be tokenized as text: say so instead
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids is a list of token ids, got {type(ids).__name__}")
+        return list(ids)                    # the engine checks each id
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"'prompt' is a string (token ids go in 'prompt_token_ids'), "
+                             f"got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
     raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
