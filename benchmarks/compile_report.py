@@ -89,9 +89,10 @@ def decode_reports():
                 sob=1024 * 8, soh=128 * 8, sos=128, S_PRE=5)
     n, w, st = dec.BLOCK_N, 4, 2    # asynci_decode_triton's launch
     for fp8 in (False, True):
-        kv = dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv") if fp8 else {}
+        # an FP8 cache is read as int32 words (asynci_common.kv_operands): strides in words
+        kv = dict(k_ptr="*i32", v_ptr="*i32", s_blk=16 * 4 * 32, s_tok=128, s_head=32) if fp8 else {}
         for cascade in (False, True):
-            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PDL=True)
+            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True)
             cap = dec.MAX_REGISTERS[cascade, fp8]
             yield f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, fp8 {fp8}, cap {cap}", \
                 compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st, cap)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime issue13 issue13-rest persistent fp8 fp8-words vllm parity sweep decode-sweep small-batch
+#   stages: smoke gputests sampling runtime issue13 issue13-rest persistent fp8 vllm parity sweep decode-sweep small-batch
 #           bench engine profile profile-gsm8k
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -44,9 +44,6 @@ for s in $stages; do
              # against the engine's fused Triton pair; a hang (a barrier that never opens) ends at the timeout
              timeout 150 python3 benchmarks/persistent_mlp.py 2>&1 | tee $OUT/persistent.log ;;
     fp8) timeout 300 python3 benchmarks/fp8_kv.py $M 2>&1 | grep -v "^{" | tee $OUT/fp8.log ;;
-    fp8-words) # the lead: FP8 decode with its cache read as int32 words, against the engine's (kernel only)
-             timeout 150 python3 benchmarks/fp8_decode_words.py 2>&1 | tee $OUT/fp8_words.log
-             timeout 120 python3 -m pytest tests/test_fp8_kv.py -k words -q -p no:cacheprovider 2>&1 | tail -3 ;;
     vllm) timeout 120 python3 benchmarks/vllm_backend_gpu.py 2>&1 | tee $OUT/vllm.log ;;
     parity) timeout 300 python3 benchmarks/bf16_parity.py --seeds 1 2>&1 | tee $OUT/parity.log ;;
     sweep) timeout 170 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log ;;

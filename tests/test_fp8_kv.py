@@ -11,6 +11,8 @@ from test_ops_attention import CUDA, DEV, gpu, make_cache, rel_err
 from asynct import LLM, SamplingParams
 from asynct.model.kv_scales import layer_bounds, observed_kv_max
 from asynct.ops import asynci_decode_triton, asynci_prefill_triton, write_kv_cache_triton
+from asynct.ops._triton import jit, tl
+from asynct.ops.asynci_common import unpack_e4m3
 from asynct.ops.kv_cache import FP8_DTYPE, FP8_MAX, quantize_fp8, write_kv_cache_ref
 
 DT = "bfloat16" if CUDA else "float32"   # FP8 KV on CUDA needs 16-bit queries
@@ -127,6 +129,24 @@ def test_fp8_cache_needs_scales():
 
 # ---- attention over an FP8 cache -------------------------------------------------------------
 
+@jit
+def _unpack_kernel(x_ptr, out_ptr, N: tl.constexpr, W: tl.constexpr, PTX: tl.constexpr):
+    rows = tl.arange(0, N)[:, None]
+    tile = unpack_e4m3(tl.load(x_ptr + rows * W + tl.arange(0, W)[None, :]), PTX)
+    tl.store(out_ptr + rows * 4 * W + tl.arange(0, 4 * W)[None, :], tile)
+
+
+def test_e4m3_words_unpack_to_every_value_in_place():
+    """The decode reads an FP8 cache as int32 words: every e4m3 byte value (the NaNs aside) comes
+    back as torch's fp16 of it, at its own column. On CUDA through the PTX conversion."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0                       # e4m3's two NaN codes
+    codes = codes[torch.randperm(256, generator=torch.Generator().manual_seed(0))].view(16, 16).to(DEV)
+    out = torch.empty(16, 16, dtype=torch.float16, device=DEV)
+    _unpack_kernel[(1,)](codes.view(torch.int32), out, N=16, W=4, PTX=CUDA)
+    assert torch.equal(out, codes.view(FP8_DTYPE).to(torch.float16))
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,lens,splits", [
     (2, 2, 16, 4, 3, True, [1, 5, 16, 37], None),
     (4, 2, 32, 16, 4, False, [70, 1, 33], 3),
@@ -151,19 +171,6 @@ def test_prefill_fp8_interpreted(q_lens, ctx, block_m):
         pytest.skip("fp32 queries over an FP8 cache do not compile on CUDA (the engine refuses "
                     "them); test_fp8_kernels_gpu covers 16-bit queries there")
     assert run_prefill(q_lens, ctx, 4, 2, 16, 4, 3, True, device=DEV, block_m=block_m, block_n=16) < 1e-5
-
-
-@pytest.mark.parametrize("lens,splits", [([1, 5, 16, 37], None), ([70, 1, 33], 3)])
-def test_fp8_decode_words_lead(lens, splits):
-    """benchmarks/fp8_decode_words.py, a lead not in the engine (the cache read as int32 words of
-    four e4m3): its words unpack in order, halo, pool and splits as the reference's. On CUDA its
-    conversion is inline PTX and its queries 16-bit."""
-    import sys
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from fp8_decode_words import decode_words
-    dtype, tol = (torch.bfloat16, 1e-2) if CUDA else (torch.float32, 1e-5)
-    kernel, _ = run_decode(decode_words, lens, 4, 2, 16, 4, 3, True, dtype, DEV, splits=splits)
-    assert kernel < tol
 
 
 @gpu

@@ -6,6 +6,7 @@ An FP8 cache is dequantised in registers by folding its static per-channel scale
 math: s = q.(k*ks) = (q*ks).k, so q is scaled once per program, and sum_j a_j (v_j*vs) =
 vs * sum_j a_j v_j, so the accumulator is scaled once at the end; K/V tiles are only cast.
 Without FP8 (a constexpr) the kernels compile exactly as before."""
+import os
 import functools
 
 import torch
@@ -35,6 +36,54 @@ def load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_hea
                  BS: tl.constexpr, D: tl.constexpr):
     """Rows `keys` of one KV head -> [N, D] (kv_row_offsets, then load_rows)."""
     return load_rows(cache_ptr, kv_row_offsets(bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head, BS), mask, D)
+
+
+# e4m3 pairs -> fp16 pairs, exactly: one instruction for two bytes of a word
+CVT_E4M3 = tl.constexpr("{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; cvt.rn.f16x2.e4m3x2 a, lo; "
+                        "cvt.rn.f16x2.e4m3x2 b, hi; mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }") if triton else None
+
+
+@_jit
+def _e4m3_byte(x, i: tl.constexpr):
+    return ((x >> (8 * i)) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@_jit
+def unpack_e4m3(x, PTX: tl.constexpr):
+    """int32 words [N, W] of four e4m3 each (little-endian) -> fp16 [N, 4W], exactly. PTX: by
+    `cvt.rn.f16x2.e4m3x2` (the interpreter runs no PTX: shifts and casts there)."""
+    if PTX:
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(CVT_E4M3, "=h,=h,=h,=h,r", [x], dtype=(tl.float16,) * 4,
+                                                   is_pure=True, pack=1)
+    else:
+        c0, c1, c2, c3 = _e4m3_byte(x, 0), _e4m3_byte(x, 1), _e4m3_byte(x, 2), _e4m3_byte(x, 3)
+    pairs = tl.join(tl.join(c0, c1), tl.join(c2, c3))      # [N, W, within a pair, which pair]
+    return tl.reshape(pairs.permute(0, 1, 3, 2), [x.shape[0], 4 * x.shape[1]])
+
+
+@_jit
+def load_kv_tile(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head, BS: tl.constexpr,
+                 D: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
+    """load_kv_rows, or for an FP8 cache (int32 words, strides in words: kv_operands) its rows
+    unpacked in registers. Loaded as bytes, a tile went through shared memory one byte at a time
+    (Triton converts its layout before the e4m3 cast): 64 `ld.shared.b8` a thread a tile, and the
+    FP8 decode 1.11-1.25x slower from 32 sequences up (H200, benchmarks/RESULTS.md)."""
+    if FP8:
+        rows = kv_row_offsets(bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head, BS)
+        w = tl.arange(0, D // 4)
+        tile = unpack_e4m3(tl.load(cache_ptr + rows[:, None] + w[None, :], mask=mask[:, None], other=0), PTX)
+    else:
+        tile = load_kv_rows(cache_ptr, bt_row_ptr, keys, mask, kv_head, s_blk, s_tok, s_head, BS, D)
+    return tile
+
+
+def kv_operands(kv_cache, fp8):
+    """The K and V caches as attend_keys reads them, their (block, token, head) strides, and
+    whether FP8 words convert by PTX: an FP8 cache as int32 words of four e4m3 (load_kv_tile)."""
+    k, v = kv_cache[0], kv_cache[1]
+    if fp8:
+        k, v = k.view(torch.int32), v.view(torch.int32)
+    return k, v, k.stride()[:3], k.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @_jit
@@ -86,21 +135,22 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
 @_jit
 def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                 D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
     """fp32 [M, D]: AsyncI of the query rows `q` over keys [lo, hi) of one KV head, their pool
-    window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0)."""
+    window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0).
+    The cache as kv_operands gives it."""
     n = tl.arange(0, BLOCK_N)
     keys = lo - BLOCK_N + n
     kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_rows(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+    k = load_kv_tile(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
     r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
     acc = tl.zeros([q.shape[0], D], dtype=tl.float32)
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n
         kmask = keys < hi
-        k = load_kv_rows(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
-        v = load_kv_rows(v_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
+        k = load_kv_tile(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
+        v = load_kv_tile(v_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)

@@ -14,8 +14,8 @@ in asynci_common.py."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
-from asynct.ops.asynci_common import (attend_keys, fold_k_scale, scale_args, sm_count, split_output,
-                                      split_range, sum_splits)
+from asynct.ops.asynci_common import (attend_keys, fold_k_scale, kv_operands, scale_args, sm_count,
+                                      split_output, split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
@@ -36,7 +36,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PDL: tl.constexpr):
+                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -54,7 +54,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
     if CASCADE:
         if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
             row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
@@ -70,7 +70,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
                    s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PTX: tl.constexpr, PDL: tl.constexpr):
     """Keys [0, prefix_len) that every sequence of the batch shares (same blocks): a program
     takes BLOCK_M query rows of one KV head, from many sequences, so each prefix key is loaded
     once per row tile instead of once per sequence. Every prefix key precedes every query: no
@@ -91,7 +91,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared (hi is 0 exactly then): a graph's prefix pass
     # then costs a launch
@@ -137,14 +137,14 @@ PREFIX_BLOCK_M = 64
 PREFIX_WARPS = 4
 
 
-def _prefix_pass(q, kv_cache, block_table, prefix_len, sigma, scale, fp8_args, s_pre, consts, num_stages):
-    """The shared prefix's fp32 partials [B, Hq, s_pre, D] (_prefix_kernel)."""
-    (b, hq, d), hkv = q.shape, kv_cache.shape[3]
-    g, (ks, vs, fp8) = hq // hkv, fp8_args
+def _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, fp8_args, s_pre, consts, num_stages):
+    """The shared prefix's fp32 partials [B, Hq, s_pre, D] (_prefix_kernel); `kv` from kv_operands."""
+    (b, hq, d), g = q.shape, q.shape[1] // hkv
+    (k_cache, v_cache, kv_strides, ptx), (ks, vs, fp8) = kv, fp8_args
     pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
     _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
-        q, kv_cache[0], kv_cache[1], block_table, prefix_len, sigma, pre, float(scale), q.stride(0), q.stride(1),
-        b, *kv_cache[0].stride()[:3], g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M, FP8=fp8, **consts,
+        q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale), q.stride(0), q.stride(1),
+        b, *kv_strides, g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M, FP8=fp8, PTX=ptx, **consts,
         num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
     return pre
 
@@ -175,19 +175,20 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    kv = kv_operands(kv_cache, fp8)
+    k_cache, v_cache, kv_strides, ptx = kv
     s_pre, pre = 0, out
     if prefix_len is not None:
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
-        pre = _prefix_pass(q, kv_cache, block_table, prefix_len, sigma, scale, (ks, vs, fp8), s_pre, consts,
+        pre = _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, (ks, vs, fp8), s_pre, consts,
                            num_stages)
     dst, strides = split_output(out, splits)
     plen = prefix_len if s_pre else seq_lens
     cap = MAX_REGISTERS[s_pre > 0, fp8]
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
-        q.stride(1), block_table.stride(0), *strides, *k_cache.stride()[:3], g, s_pre, ks, vs,
-        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, **consts, num_warps=num_warps,
+        q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
+        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, PTX=ptx, **consts, num_warps=num_warps,
         num_stages=num_stages, **({"maxnreg": cap} if cap else {}), **pdl_args(q))
     return sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
