@@ -24,10 +24,10 @@ from asynct.ops.paged_ref import asynci_decode_ref
 BLOCK_N = 64
 # Registers a thread (`maxnreg`), by (adds a shared prefix's partials, FP8 cache): what fits 4
 # programs an SM (sm_90). Uncapped, the bf16 cascade variant takes 160 (3 an SM; at 128 no spill)
-# and the FP8 ones 200 (2 an SM; at 128 a 140-byte spill). Capped, H200 steps of 128 sequences
-# ran 1.11x (384 keys) to 1.24x (2,048) faster, 256 sequences 1.10x on average, FP8 steps
-# 1.03-1.20x, FP8 decode alone 1.13-1.18x (benchmarks/RESULTS.md). The bf16 plain variant's 124
-# already fits 4; at 96 (5 an SM) it ran batch-8 steps 3 % slower.
+# and the FP8 ones (their cache read as words) 128 at most: the plain one no spill, the cascade
+# one 4 bytes. Capped, H200 steps of 128 sequences ran 1.11x (384 keys) to 1.24x (2,048) faster,
+# 256 sequences 1.10x on average (benchmarks/RESULTS.md). The bf16 plain variant's 124 already
+# fits 4; at 96 (5 an SM) it ran batch-8 steps 3 % slower.
 MAX_REGISTERS = {(False, False): None, (True, False): 128, (False, True): 128, (True, True): 128}
 
 
