@@ -15,7 +15,7 @@ import importlib
 from types import SimpleNamespace
 
 import torch
-from kernels import bench
+from kernel_bench import bench
 
 from asynct.ops import fused_linear as fl
 from asynct.ops.rope import rope_cos_sin_cache

@@ -35,10 +35,10 @@ HQ, HKV, D, BS = 8, 4, 128, 16
 
 
 def timed(fns, device, reps=20):
-    """Seconds per call: on CUDA a replayed graph of all fns (benchmarks/kernels.py), else a
+    """Seconds per call: on CUDA a replayed graph of all fns (benchmarks/kernel_bench.py), else a
     plain loop (the smoke run only checks that everything runs)."""
     if device.type == "cuda":
-        from kernels import bench
+        from kernel_bench import bench
         return bench(fns, reps)
     t0 = time.perf_counter()
     for f in fns:

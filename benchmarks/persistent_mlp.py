@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 
 import torch
-from kernels import bench, copy_bandwidth
+from kernel_bench import bench, copy_bandwidth
 
 from asynct.ops import fused_linear as fl
 

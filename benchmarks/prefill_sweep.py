@@ -7,7 +7,7 @@ bench-0.6b's attention: 8 query / 4 KV heads of 128, P=3, relu_pre, block size 1
 Cases: one sequence of 512, 2K and 8K tokens, and 8 sequences of 512. Per case: SDPA flash
 (K/V expanded to the 8 query heads: flash wants equal heads), the launch plan's own choice
 (`plan`), every config of PREFILL_CONFIGS, WIDE_CONFIG and a few others at 1-8 key splits.
-Timing as benchmarks/kernels.py (CUDA-graph replay over input sets larger than L2). `err` is the relative
+Timing as benchmarks/kernel_bench.py (CUDA-graph replay over input sets larger than L2). `err` is the relative
 error against the unsplit first config on the first input set: a broken variant shows there.
 The table printed last gives each variant's speed as SDPA time / its time (>= 1: faster)."""
 import argparse
@@ -23,7 +23,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa  # noqa: E4
 from asynct.ops.asynci_common import _sm_count  # noqa: E402
 from asynct.ops.asynci_prefill import (PREFILL_CONFIGS, WIDE_CONFIG, asynci_prefill_triton,  # noqa: E402
                                        plan_prefill)
-from kernels import BF, D, HKV, HQ, bench, n_sets, paged  # noqa: E402
+from kernel_bench import BF, D, HKV, HQ, bench, n_sets, paged  # noqa: E402
 
 CASES = ((1, 512), (1, 2048), (1, 8192), (8, 512))
 EXTRA = ((64, 32, 4, 2), (64, 64, 4, 3), (64, 32, 4, 4))

@@ -37,7 +37,7 @@ for s in $stages; do
              # `issue13-rest` (prefill plan sweep, bf16 parity) fits a second call
              timeout 200 python3 benchmarks/small_batch.py --model $M 2>&1 | grep -v "^{" | tee $OUT/small_batch.log
              timeout 100 python3 benchmarks/decode_chain.py now 2>&1 | tee $OUT/decode_chain.log
-             timeout 120 python3 benchmarks/kernels.py 2>&1 | tee $OUT/kernels.log ;;
+             timeout 120 python3 benchmarks/kernel_bench.py 2>&1 | tee $OUT/kernels.log ;;
     issue13-rest) timeout 200 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log | tail -22
              timeout 200 python3 benchmarks/bf16_parity.py --seeds 1 --no-attribution 2>&1 | tee $OUT/parity.log ;;
     persistent) # the batch-1 prototype: every layer's MLP in one persistent CUDA kernel (grid barriers)

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from kernels import bench, copy_bandwidth, n_sets
+from kernel_bench import bench, copy_bandwidth, n_sets
 from profile_decode import fill_decodes, mean_step
 
 from asynct import LLM

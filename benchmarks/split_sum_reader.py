@@ -10,7 +10,7 @@ import importlib
 import decode_chain as dc
 import torch
 import triton.language as tl
-from kernels import bench
+from kernel_bench import bench
 
 from asynct.ops import asynci_common as ac
 from asynct.ops import fused_linear as fl

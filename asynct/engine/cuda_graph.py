@@ -93,6 +93,11 @@ class CudaGraphRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()            # the warm-ups' blocks; the graphs keep their pool
 
+    def replay(self, bs: int, metadata):
+        """The graph reads `metadata` through its backend's static buffers; a runner that runs
+        the work eagerly instead (the CPU tests of the sampling graphs) sets it as the context."""
+        self.graphs[bs].replay()
+
     def can_run(self, step) -> bool:
         """A decode-only step (StepInputs) that a graph holds."""
         return step.num_decodes == len(step.query_lens) and 0 < step.num_decodes <= self.max_bs
@@ -103,8 +108,7 @@ class CudaGraphRunner:
         n = step.num_decodes
         bs = next(b for b in self.sizes if b >= n)
         self._send_input_ids(ids, pending, last_sampled)
-        self.backend.prepare_for_replay(step, bs)   # its static buffers are the graph's inputs
-        self.graphs[bs].replay()
+        self.replay(bs, self.backend.prepare_for_replay(step, bs))
         if bs > SAMPLING_MAX_BS:
             return self.outputs[bs][:n]
         return GraphLogits(self.logits[:n], self.input_ids[:n])

@@ -1,7 +1,7 @@
 """Kernel timings on the GPU against the device's copy bandwidth and torch SDPA, measured in
 the same run. Seed-model shapes: 8 query / 4 KV heads of 128, bf16, hidden 1024, inter 3072.
 
-    PYTHONPATH=. python3 benchmarks/kernels.py [elementwise] [decode] [prefill] [argmax] [--sweep] [--no-cuda]
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py [elementwise] [decode] [prefill] [argmax] [--sweep] [--no-cuda]
     (default: the first three)
 
 Each timing replays a CUDA graph that runs the op once on each of several input sets, so the
