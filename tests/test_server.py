@@ -424,6 +424,28 @@ def test_bad_value_400_names_its_param(url, path, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize("depth", [1, 5000])     # 5,000 levels: past json's encoder, so walked
+def test_first_invalid_unicode_names_its_path(depth):
+    from asynct.entrypoints.serve.protocol import first_invalid_unicode
+    nest = inner = []
+    for _ in range(depth - 1):
+        inner.append([])
+        inner = inner[0]
+    inner += ["ok", "\ud800"]
+    assert first_invalid_unicode({"prompt": "fine", "x": nest}) == "body.x" + "[0]" * (depth - 1) + "[1]"
+    inner[1] = "fine"
+    assert first_invalid_unicode({"prompt": "fine", "x": nest}) is None
+    assert first_invalid_unicode({"a": {"b\udc00": 1}}) == "body.a key"
+
+
+def test_malformed_json_names_no_param(url):
+    """pydantic locates a parse error by its character offset: it was answered as param "31"."""
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny", "prompt": "x",',
+                   headers={**AUTH, "Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and "malformed JSON" in err["message"] and err["param"] is None, r.text
+
+
 def test_max_tokens_past_the_context_is_a_400(url):
     """A prompt and max_tokens past max_model_len together were accepted, and stopped at the end
     of the context with finish_reason "length", as if max_tokens had been reached. As vLLM: 400,

@@ -20,7 +20,7 @@ from asynct.entrypoints.serve.limits import ServerLimits
 POISON = -17      # a seed that marks the request whose sampling the engine is made to fail
 POISON_PROMPT = [250, 251, 252]    # ... and the first tokens of a prompt whose sampling fails
 GOOD = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-LIMITS = ServerLimits(max_n=8, render_timeout=0.5, header_timeout=1.0, max_connections=48)
+LIMITS = ServerLimits(max_n=8, max_choices=64, render_timeout=0.5, header_timeout=1.0, max_connections=48)
 
 
 def poisoned_sample(logits, seqs, *args):
@@ -114,6 +114,10 @@ SAMPLING = [
     ("temperature 1e9", {"temperature": 1e9}, "temperature"),
     ("temperature 2.5", {"temperature": 2.5}, "temperature"),
     ("n over --max-n", {"n": 9}, "n must be at most 8"),
+    ("prompts x n over --max-choices", {"prompt": ["a"] * 33, "n": 2}, "66 choices"),
+    # 200,000 one-token prompts: each had its checks, its engine request and its choice built
+    # on the event loop (a million held /health for 20 s)
+    ("200,000 prompts", {"prompt": [[1]] * 200_000}, "200000 prompts x n=1"),
     ("max_tokens as a string", {"max_tokens": "3"}, "max_tokens"),
     ("seed as a string", {"seed": "42"}, "seed"),
     ("n as a bool", {"n": True}, "n"),

@@ -58,6 +58,8 @@ def add_limit_args(p):
     d = ServerLimits()
     g = p.add_argument_group("limits (docs/serving.md)")
     g.add_argument("--max-n", type=int, default=d.max_n, help="most completions one request may ask for")
+    g.add_argument("--max-choices", type=int, default=d.max_choices,
+                   help="most choices (prompts x n) one request may ask for")
     g.add_argument("--max-prompt-chars", type=int, default=None,
                    help="longer text prompts get 400 before tokenising (default: the most characters "
                         "max_model_len tokens can spell)")
@@ -74,7 +76,7 @@ def add_limit_args(p):
 
 
 def server_limits(a):
-    return ServerLimits(a.max_n, a.max_prompt_chars, a.trust_request_chat_template, a.render_timeout,
+    return ServerLimits(a.max_n, a.max_choices, a.max_prompt_chars, a.trust_request_chat_template, a.render_timeout,
                         a.header_timeout, a.keep_alive_timeout, a.max_connections)
 
 

@@ -111,13 +111,15 @@ def add_error_handlers(app: FastAPI):
     async def invalid(request, e: RequestValidationError):
         # OpenAI answers 400 for a body it cannot use, malformed JSON included
         errs = e.errors()
+        param = None
         if any(err.get("type") == "json_invalid" for err in errs):
+            # its loc holds the character offset of the parse error, which no field is called
             msg = "malformed JSON body: " + "; ".join(str(err.get("ctx", {}).get("error", err["msg"])) for err in errs)
         else:
             msg = "; ".join(f"{'.'.join(str(x) for x in err['loc'][1:]) or 'body'}: {err['msg']}" for err in errs)
-        # as OpenAI: `param` names the first bad field ("max_tokens" for "max_tokens": "many")
-        loc = errs[0].get("loc", ()) if errs else ()
-        param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
+            # as OpenAI: `param` names the first bad field ("max_tokens" for "max_tokens": "many")
+            loc = errs[0].get("loc", ()) if errs else ()
+            param = str(loc[1]) if len(loc) > 1 and loc[0] == "body" else None
         return JSONResponse(error_body(400, msg, param=param), status_code=400)
 
     @app.exception_handler(HTTPException)

@@ -15,10 +15,10 @@ from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_bod
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
     ctx.check_model(body.model)
-    ctx.check_n(body.n)
     try:
-        params = body.to_params(ctx.sampling_defaults)
         prompts = body.prompts()
+        ctx.check_n(body.n, len(prompts))
+        params = body.to_params(ctx.sampling_defaults)
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     truncated = body.truncate_prompt_tokens is not None

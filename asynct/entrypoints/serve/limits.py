@@ -7,6 +7,7 @@ from dataclasses import dataclass
 class ServerLimits:
     """What one request may ask for, and how long the server waits on a client (docs/serving.md)."""
     max_n: int = 128                          # OpenAI's cap
+    max_choices: int = 4096                   # prompts x n of one request: the server's loop works per choice
     max_prompt_chars: int | None = None       # None: the most that max_model_len tokens can spell
     trust_request_chat_template: bool = False
     render_timeout: float = 10.0              # seconds to render a chat template or tokenise

@@ -91,9 +91,15 @@ class ServingContext:
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer else 1
         return longest * self.max_model_len
 
-    def check_n(self, n: int):
+    def check_n(self, n: int, num_prompts: int = 1):
         if n > self.limits.max_n:
             raise ApiError(400, f"n must be at most {self.limits.max_n} (--max-n), got {n}", param="n")
+        # the event loop checks, submits and answers every choice: a million-prompt body held it
+        # (and /health) for 20 s before this cap
+        if num_prompts * n > self.limits.max_choices:
+            raise ApiError(400, f"{num_prompts} prompts x n={n} ask for {num_prompts * n} choices; this server "
+                                f"takes at most {self.limits.max_choices} a request (--max-choices)",
+                           param="prompt")
 
     async def off_loop(self, fn, *args):
         """Tokenising and templates take time that depends on the client: never on the event loop."""
