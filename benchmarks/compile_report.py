@@ -28,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import torch  # noqa: E402
 
 from asynct.ops import fused_linear as fl, fused_linear_kernels as flk  # noqa: E402
+from asynct.attention.triton_backend import DECODE_SUMS_MAX_ROWS  # noqa: E402
 
 dec = importlib.import_module("asynct.ops.asynci_decode")    # the modules, not the functions
 pre = importlib.import_module("asynct.ops.asynci_prefill")
@@ -91,11 +92,11 @@ def decode_reports():
     for fp8 in (False, True):
         # an FP8 cache is read as int32 words (asynci_common.kv_operands): strides in words
         kv = dict(k_ptr="*i32", v_ptr="*i32", s_blk=16 * 4 * 32, s_tok=128, s_head=32) if fp8 else {}
-        for cascade in (False, True):
-            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True)
+        for cascade, accumulate in ((False, False), (True, False), (False, True)):
+            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True, ACCUMULATE=accumulate)
             cap = dec.MAX_REGISTERS[cascade, fp8]
-            yield f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, fp8 {fp8}, cap {cap}", \
-                compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st, cap)
+            yield (f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, accumulate {accumulate}, "
+                   f"fp8 {fp8}, cap {cap}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st, cap)
 
 
 def prefill_reports():
@@ -142,17 +143,19 @@ def linear_reports(batches=(1, 2, 3, 4, 8, 16, 32)):
         args = dict(x, q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", pos_ptr="*i64", cs_ptr="*fp32", M=m, HQ=HQ,
                     HKV=HKV, qa_ptr="*fp32", qw_ptr="*bf16", ka_ptr="*fp32", kw_ptr="*bf16", sqa=0, sqw=1, ska=0,
                     skw=1, kc_ptr="*bf16", vc_ptr="*bf16", slot_ptr="*i64", ks_ptr="*fp32", vs_ptr="*fp32",
-                    s_blk=16 * HKV * D, s_tok=HKV * D, s_head=D)
+                    s_blk=16 * HKV * D, s_tok=HKV * D, s_head=D, sums_ptr="*fp32")
         hb = fl._half(rows, plan.get("GEMV") or None)
-        yield f"qkv, {m} rows", n, _linear(flk.qkv_rope_kernel, args, dict(K=HIDDEN, HALF=D // 2, HB=hb,
-                                                                           WRITE_KV=True, BS=16, FP8=False), plan)
+        # decode steps of up to DECODE_SUMS_MAX_ROWS sequences: QKV zeroes the sums o_proj reads in fp32
+        sums = m <= DECODE_SUMS_MAX_ROWS
+        yield f"qkv, {m} rows", n, _linear(flk.qkv_rope_kernel, args, dict(K=HIDDEN, HALF=D // 2, HB=hb, WRITE_KV=True,
+                                                                           BS=16, FP8=False, ZERO_SUMS=sums), plan)
         rows, n, plan = _linear_launch("reglu", m, HIDDEN, lambda r, p: -(-INTER // fl._half(r, p)))
         hb = fl._half(rows, plan.get("GEMV") or None)
         yield f"gate/up, {m} rows", n, _linear(flk.gate_up_reglu_kernel, dict(x, out_ptr="*bf16", M=m, I=INTER),
                                                dict(K=HIDDEN, HB=hb), plan)
         for name, k, post in (("o_proj", HQ * D, True), ("down", INTER, False)):
             rows, n, plan = _linear_launch("dyht_add", m, k, lambda r, p: -(-HIDDEN // r))
-            args = dict(x, sx=k, res_ptr="*bf16", hid_ptr="*bf16", out_ptr="*bf16", a_ptr="*fp32", dw_ptr="*bf16",
+            args = dict(x, x_ptr="*fp32" if sums and name == "o_proj" else "*bf16", sx=k, res_ptr="*bf16", hid_ptr="*bf16", out_ptr="*bf16", a_ptr="*fp32", dw_ptr="*bf16",
                         pa_ptr="*fp32", pw_ptr="*bf16", M=m, N=HIDDEN, sa=0, sw=1, spa=0, spw=1)
             yield f"{name}, {m} rows", n, _linear(flk.linear_dyht_add_kernel, args,
                                                   dict(K=k, HAS_POST=post, BLOCK_N=rows), plan)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime issue13 issue13-rest atomic persistent fp8 vllm parity sweep decode-sweep small-batch
+#   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest atomic persistent fp8 vllm parity sweep decode-sweep small-batch
 #           bench engine profile profile-gsm8k
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -40,8 +40,14 @@ for s in $stages; do
              timeout 120 python3 benchmarks/kernel_bench.py 2>&1 | tee $OUT/kernels.log ;;
     issue13-rest) timeout 200 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log | tail -22
              timeout 200 python3 benchmarks/bf16_parity.py --seeds 1 --no-attribution 2>&1 | tee $OUT/parity.log ;;
-    atomic) # the decode's splits added by fp32 atomics, o_proj reading the sum (issue 13 lead)
+    atomic) # small decode steps: the splits added into fp32 sums by atomics (QKV zeroes them, o_proj
+             # reads them) against split partials + a sum kernel: whole steps, then 35-layer chains
+             timeout 300 python3 benchmarks/small_batch.py --model $M --skip-ops --modes "no decode sums,fused" \
+               --batches 1,2,3,4,8 2>&1 | grep -v "^{" | tee $OUT/sums_steps.log
              timeout 200 python3 benchmarks/decode_atomic.py 2>&1 | tee $OUT/atomic.log ;;
+    first-latency) # a fresh machine's first process: empty Triton cache, cold imports
+             timeout 300 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown \
+               --workloads latency,throughput --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" | tee $OUT/first.log ;;
     persistent) # the batch-1 prototype: every layer's MLP in one persistent CUDA kernel (grid barriers)
              # against the engine's fused Triton pair; a hang (a barrier that never opens) ends at the timeout
              timeout 150 python3 benchmarks/persistent_mlp.py 2>&1 | tee $OUT/persistent.log ;;

@@ -16,8 +16,9 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    write to the attention backend, one whose linears do not prefetch their weights into L2
    while the kernel before runs, one whose linears take dot tiles at every row count (no
    GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose decode
-   kernel keeps the compiler's register counts (no caps: try --batches 128), and one without
-   fused linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
+   kernel keeps the compiler's register counts (no caps: try --batches 128), one whose small
+   decode steps write split partials and sum them (no fp32 sums), and one without fused
+   linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -30,6 +31,7 @@ from kernel_bench import bench, copy_bandwidth, n_sets
 from profile_decode import fill_decodes, mean_step
 
 from asynct import LLM
+from asynct.attention import triton_backend
 from asynct.engine import cuda_graph
 from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
@@ -242,9 +244,21 @@ def hidden_state_graphs():
         cuda_graph.SAMPLING_MAX_BS = real
 
 
+@contextlib.contextmanager
+def no_decode_sums():
+    """Small decode steps' attention as split partials + a sum kernel, o_proj reading bf16 (before
+    2026-12-04): the same-run peer of the fp32 sums (DECODE_SUMS_MAX_ROWS)."""
+    real = triton_backend.DECODE_SUMS_MAX_ROWS
+    triton_backend.DECODE_SUMS_MAX_ROWS = 0
+    try:
+        yield
+    finally:
+        triton_backend.DECODE_SUMS_MAX_ROWS = real
+
+
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
-         "no decode caps": no_decode_caps,
+         "no decode caps": no_decode_caps, "no decode sums": no_decode_sums,
          "fused": contextlib.nullcontext}
 
 

@@ -505,6 +505,60 @@ def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
     assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
 
 
+def test_small_decode_steps_adding_into_fp32_sums_match_the_reference(tiny_ckpt, reference, monkeypatch):
+    """The triton backend's decode steps of up to DECODE_SUMS_MAX_ROWS sequences add attention
+    into fp32 sums that the QKV projection zeroes and o_proj reads (on a GPU; forced here at one
+    and two sequences, so the torch paths carry it, the sums handed out NaN-filled): greedy
+    tokens equal the reference's."""
+    from dataclasses import replace
+
+    from asynct.attention import triton_backend as tb
+    from asynct.model.engine_model import Attention
+    build, attn_sums, forced = tb.TritonMetadataBuilder.build, Attention.attn_sums, []
+
+    def build_forced(self, step):
+        md = build(self, step)
+        forced.append(md.num_prefills == 0 and md.num_decodes <= 2)
+        return replace(md, decode_accumulates=forced[-1])
+
+    def nan_sums(self, rows):
+        sums = attn_sums(self, rows)
+        return None if sums is None else sums.fill_(float("nan"))
+    monkeypatch.setattr(tb.TritonMetadataBuilder, "build", build_forced)
+    monkeypatch.setattr(Attention, "attn_sums", nan_sums)
+    llm = LLM(tiny_ckpt, attention_backend="triton", max_num_seqs=2)
+    prompts = random_prompts(5, 1, 60, seed=11)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert sum(forced) >= 8
+    assert [o.outputs[0].token_ids for o in outs] == reference_greedy(reference, prompts, 8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_decode_batches_on_gpu_match_torch_backend(tiny_ckpt, dtype):
+    """One to four sequences decode, the smallest steps through the fp32 sums (QKV zeroes them,
+    the decode adds its splits by atomics, o_proj reads them), in CUDA graphs and eagerly: greedy
+    tokens equal the torch backend's in fp32; in bf16 (where o_proj takes fp32 beside bf16
+    weights) the three agree on at least 90 % of the tokens, the sums' order and rounding aside."""
+    prompts = random_prompts(4, 100, 300, seed=8)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for name, kw in (("torch", dict(attention_backend="torch", enforce_eager=True)),
+                     ("triton-graphs", dict(attention_backend="triton")),
+                     ("triton-eager", dict(attention_backend="triton", enforce_eager=True))):
+        llm = LLM(tiny_ckpt, dtype=dtype, device="cuda", gpu_memory_utilization=0.3, **kw)
+        runs[name] = [o.outputs[0].token_ids for n in range(1, 5)
+                      for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params, use_tqdm=False)]
+        del llm
+    if dtype == "float32":
+        assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
+        return
+    want = [t for seq in runs["torch"] for t in seq]
+    for name in ("triton-graphs", "triton-eager"):
+        got = [t for seq in runs[name] for t in seq]
+        assert sum(a == b for a, b in zip(got, want)) >= 0.9 * len(want), name
+
+
 POISON = -17     # a seed that marks the sequence whose sampling is made to raise
 
 

@@ -210,7 +210,7 @@ def test_observed_kv_max_reads_back_what_the_qkv_kernel_stored(tiny_ckpt, monkey
     from asynct.model import engine_model
     from asynct.ops import fused_linear
     monkeypatch.setattr(fused_linear, "_fast",
-                        lambda x, w: x.dim() == 2 and 0 < x.shape[0] <= 16 and w.dtype == x.dtype)
+                        lambda x, w, fp32_x=False: x.dim() == 2 and 0 < x.shape[0] <= 16 and w.dtype == x.dtype)
     stored_by_qkv = []
     store_kv = AttentionImpl.store_kv
     monkeypatch.setattr(AttentionImpl, "store_kv",

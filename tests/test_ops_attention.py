@@ -210,6 +210,32 @@ def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,lens,splits", [
+    (4, 2, 32, 16, 4, False, [70, 1, 33], 3),          # GQA 2, split-K with halos
+    (8, 2, 16, 4, 2, True, [1, 2, 3], 8),              # more splits than keys: they add nothing
+    (2, 2, 16, 4, 70, True, [150, 3], None),           # a pool wider than a 64-key tile
+])
+def test_decode_accumulates_into_fp32_sums(hq, hkv, d, bs, pool, relu, lens, splits, dtype):
+    """`accumulate`: each split adds its partial into the caller's fp32 sums by atomics (no
+    partials, no sum kernel), so the sums end as what they held plus the attention; the
+    dispatch's other paths (the reference off the GPU) add too. Sums of another dtype are refused."""
+    from asynct.ops import asynci_decode
+    gen = torch.Generator().manual_seed(len(lens) + d)
+    cache, table = make_cache(lens, hkv, d, bs, dtype, DEV, gen)
+    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype).to(DEV)
+    sigma = (torch.randn(hq, generator=gen) * 1.5).to(DEV)
+    args = (q, cache, table, torch.tensor(lens, dtype=torch.int32, device=DEV), sigma, d ** -0.5, pool, relu)
+    start = torch.randn(len(lens), hq, d, generator=gen).to(DEV)
+    want = asynci_decode_ref(*args, torch.empty_like(start))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    got = asynci_decode_triton(*args, start.clone(), splits=splits, accumulate=True)
+    assert rel_err(got - start, want) < tol
+    assert rel_err(asynci_decode(*args, start.clone(), accumulate=True) - start, want) < tol
+    with pytest.raises(ValueError, match="fp32 sums"):
+        asynci_decode_triton(*args, start.to(torch.bfloat16), accumulate=True)
+
+
 def nan_filled_partials(monkeypatch, module_name):
     """Makes the kernel module's split partials start as NaN, so that a sum reading a partial
     no program wrote shows; returns the module."""
@@ -462,11 +488,12 @@ def test_prefill_kv_loads_buffer_as_deep_as_its_stages(compile_report):
 
 def test_every_decode_variant_holds_four_programs_an_sm(compile_report):
     """The decode kernel streams K/V: a program an SM fewer cost 8-25 % of its speed on the H200.
-    Its register caps (MAX_REGISTERS) keep all four variants at 4 an SM, the bf16 ones unspilled."""
+    Its register caps (MAX_REGISTERS) keep all six variants (plain, cascade, accumulating; bf16
+    and FP8) at 4 an SM, the bf16 ones unspilled."""
     import re
     rows = re.findall(r"^decode .*, fp8 (\w+), cap \w+ \| \d+ \| (\d+) \| [\d.]+ \| [\d/]+ \| (\d+)$",
                       compile_report, re.M)
-    assert len(rows) == 4, compile_report
+    assert len(rows) == 6, compile_report
     for fp8, spill, programs in rows:
         assert int(programs) >= 4 and (fp8 == "True" or spill == "0"), compile_report
 

@@ -8,7 +8,7 @@ from test_ops_attention import _interpreter_scalars  # noqa: F401  (autouse: loo
 from test_ops_elementwise import close as close_tol
 from test_ops_elementwise import DEV, on_dev
 
-from asynct.ops import (SMALL_M, linear_dyht_add, linear_dyht_add_unfused, linear_dyht_add_triton,
+from asynct.ops import (SMALL_M, dyht_add, linear_dyht_add, linear_dyht_add_unfused, linear_dyht_add_triton,
                         linear_qk_norm_rope, linear_qk_norm_rope_unfused, linear_qk_norm_rope_triton,
                         linear_reglu, linear_reglu_unfused, linear_reglu_triton, rope_cos_sin_cache,
                         write_kv_cache_triton)
@@ -117,6 +117,60 @@ def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     assert want_cache[:, live].abs().sum(-1).gt(0).all()
     assert torch.equal(got_cache[:, live], want_cache[:, live])
     assert torch.equal(got_cache.abs().sum((0, 2, 3)) > 0, want_cache.abs().sum((0, 2, 3)) > 0)
+
+
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 32), (3, 3, 1, 16), (4, 2, 2, 64), (17, 2, 1, 32)])
+def test_qkv_zeroes_the_attention_sums(t, hq, hkv, d, store):
+    """Given attn_sums (fp32, q's shape), the QKV projection zeroes them for the decode to add
+    into (the fused kernel's q programs, each its own columns; the unfused path by a fill),
+    and its outputs are as without them. Wrong sums are refused by name."""
+    gen, dtype = torch.Generator().manual_seed(t + d), torch.bfloat16
+    x, w = rand(t, 96, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, 96, gen=gen, dtype=dtype, scale=0.3)
+    pos, rope = torch.randint(0, 3000, (t,), generator=gen), rope_cos_sin_cache(d, 4096, 10000.0)
+    norms = (*norm_params(d, True, gen), *norm_params(d, False, gen))
+    args = [a.to(DEV) if isinstance(a, torch.Tensor) else a for a in (x, w, pos, hq, hkv, *norms, rope)]
+    target = {}
+    if store:
+        target = dict(kv_cache=torch.zeros(2, 8, 16, hkv, d, dtype=dtype, device=DEV),
+                      slot_mapping=torch.arange(t, device=DEV))
+    want = linear_qk_norm_rope_triton(*args, **target)
+    for fn in (linear_qk_norm_rope_triton, linear_qk_norm_rope_unfused, linear_qk_norm_rope):
+        sums = torch.full((t, hq, d), float("nan"), device=DEV)
+        kw = dict(target, attn_sums=sums) if fn is not linear_qk_norm_rope_unfused else {}
+        got = fn(*args, **kw)
+        if fn is linear_qk_norm_rope_unfused:
+            continue
+        assert torch.equal(sums, torch.zeros_like(sums)), fn.__name__
+        assert torch.equal(got[0], want[0])
+    with pytest.raises(ValueError, match="attn_sums must be contiguous fp32"):
+        linear_qk_norm_rope_triton(*args, attn_sums=torch.zeros(t, hq, d, dtype=dtype, device=DEV))
+
+
+@pytest.mark.parametrize("post", [False, True])
+@pytest.mark.parametrize("t,k", [(1, 96), (2, 1024), (3, 100), (4, 1024)])
+def test_o_proj_takes_fp32_sums_beside_16_bit_weights(t, k, post):
+    """The decode's fp32 sums go into o_proj as they are, on its CUDA-core path (one to four
+    rows), the product rounded to the weights' dtype: against the unfused op, which rounds the
+    same fp32 product. Five rows take the dot tiles, which want operands alike: the dispatch
+    sends those to the unfused op, the kernel refuses them by name."""
+    from asynct.ops.fused_linear import _gemv_takes_fp32
+    gen, n, dtype = torch.Generator().manual_seed(t * k), 41, torch.bfloat16
+    x, w, res = rand(t, k, gen=gen, dtype=torch.float32), rand(n, k, gen=gen, dtype=dtype, scale=0.05), \
+        rand(t, n, gen=gen, dtype=dtype)
+    a, dw = norm_params(n, True, gen)
+    pa, pw = norm_params(n, False, gen) if post else (None, None)
+    assert _gemv_takes_fp32(x, w)
+    got = on_dev(linear_dyht_add_triton, x, w, res, a, dw, pa, pw)
+    want = linear_dyht_add_unfused(x, w, res, a, dw, pa, pw)
+    for g, r in zip(got, want):
+        close(g, r, dtype)
+    y = (x.double() @ w.double().T).to(dtype)
+    close(want[0], dyht_add(y, res, a, dw, pa, pw)[0], dtype)
+    five = torch.zeros(5, k)
+    assert not _gemv_takes_fp32(five, w) and not _gemv_takes_fp32(x.to(dtype), w)
+    with pytest.raises(ValueError, match="weight must be contiguous"):
+        linear_dyht_add_triton(five, w, torch.zeros(5, n, dtype=dtype), a, dw)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -373,7 +427,7 @@ def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, refer
     from asynct.ops import fused_linear
     calls = []
 
-    def fast(x, weight):
+    def fast(x, weight, fp32_x=False):
         calls.append(x.shape[0])
         return x.dim() == 2 and 0 < x.shape[0] <= SMALL_M and weight.dtype == x.dtype
     monkeypatch.setattr(fused_linear, "_fast", fast)
@@ -399,8 +453,10 @@ def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
     H200's 132 SMs, kernels replaced by recorders): nothing compiles in the middle of serving.
     Three-token steps once took dot tiles no warm-up count reached, until the warm-up counted
     the first count past the GEMV rows; two-token QKV calls without the store take the
-    CUDA-core path since it serves QKV at two rows."""
-    from asynct.engine.runner_startup import warmup_token_counts
+    CUDA-core path since it serves QKV at two rows. Decode steps of up to DECODE_SUMS_MAX_ROWS
+    sequences zero fp32 sums in QKV and feed them to o_proj: the warm-up's decode steps."""
+    from asynct.attention.triton_backend import DECODE_SUMS_MAX_ROWS
+    from asynct.engine.runner_startup import warmup_decode_counts, warmup_token_counts
     from asynct.ops import fused_linear as fl
     seen = set()
 
@@ -420,14 +476,17 @@ def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
     one, rope = torch.ones(1), rope_cos_sin_cache(d, 64)
     cache = torch.zeros(2, 4, 16, hkv, d, dtype=bf)
 
-    def layer(t, store=True):
+    def layer(t, store=True, sums=False):
         target = dict(kv_cache=cache, slot_mapping=torch.zeros(t, dtype=torch.long)) if store else {}
+        if sums:    # a small decode step's: the decode adds into fp32 sums that QKV zeroes
+            target["attn_sums"] = torch.zeros(t, hq, d)
         x = torch.zeros(t, c, dtype=bf)
         linear_qk_norm_rope_triton(x, w_qkv, torch.zeros(t, dtype=torch.long), hq, hkv, one, one, one, one,
                                    rope, **target)
         if store:
             res = torch.zeros(t, c, dtype=bf)
-            linear_dyht_add_triton(torch.zeros(t, hq * d, dtype=bf), w_o, res, one, one, one, one)
+            linear_dyht_add_triton(torch.zeros(t, hq * d, dtype=torch.float32 if sums else bf), w_o, res, one, one,
+                                   one, one)
             linear_reglu_triton(x, w_gu)
             linear_dyht_add_triton(torch.zeros(t, inter, dtype=bf), w_down, res, one, one)
     forwards, no_store = warmup_token_counts()
@@ -436,9 +495,13 @@ def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
             layer(t)
     for t in no_store:
         layer(t, store=False)
+    for t in warmup_decode_counts():
+        layer(t, sums=True)
     warm = set(seen)
     for t in range(1, SMALL_M + 1):
         seen.clear()
         layer(t)
         layer(t, store=False)
+        if t <= DECODE_SUMS_MAX_ROWS:
+            layer(t, sums=True)
         assert seen <= warm, (t, sorted(seen - warm))

@@ -133,10 +133,16 @@ class AttentionImpl(ABC):
         if k is not None:
             write_kv_cache(k, v, kv_cache, metadata.slot_mapping, **self.kv_scales)
 
+    def accumulates(self, metadata: AttentionMetadata) -> bool:
+        """Whether this step's attention adds into an fp32 output that the model zeroed
+        (the fused QKV projection does, Attention.attn_sums), not one of q's dtype."""
+        return False
+
     @abstractmethod
     def forward(self, q, k, v, kv_cache, metadata: AttentionMetadata, output):
         """q [T, Hq, D], k/v [T, Hkv, D] of this step's tokens; writes k/v into `kv_cache`
-        ([2, num_blocks, block_size, Hkv, D]) and the attention of every query into `output`.
+        ([2, num_blocks, block_size, Hkv, D]) and the attention of every query into `output`
+        (adds it, where `accumulates`).
         k and v None: the step's keys and values are in the cache already (the fused QKV
         projection stored them)."""
 

@@ -20,6 +20,13 @@ from asynct.ops.asynci_prefill import warmup_prefill
 
 CASCADE_MIN_DECODES = 16     # below this, a prefix tile holds too few sequences to pay off
 CASCADE_MIN_PREFIX = 128     # keys: two tiles
+# Decode-only steps of at most this many sequences add their key splits into fp32 sums by
+# atomics (asynci_decode's `accumulate`) that o_proj's CUDA-core path reads as they are: no
+# split partials, no sum kernel, one kernel boundary fewer a layer. H200, bench-0.6b, whole
+# decode steps (two runs, benchmarks/RESULTS.md): 1.03-1.06x faster at one sequence, 1.00-1.01x
+# at two, 0.96-0.98x at three and four; the adds' order varies from run to run, so the last bits
+# of a step's attention may too: only where it pays. o_proj takes the sums up to GEMV_MAX_ROWS.
+DECODE_SUMS_MAX_ROWS = 1
 
 
 def shared_prefix_len(table: np.ndarray, seq_lens: list[int], num_decodes: int, block_size: int) -> int:
@@ -42,6 +49,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     max_decode_seq_len: int = 0
     decode_prefix_len: torch.Tensor | None = None   # int32 [1]: keys all decodes share; None: no cascade
     decode_prefix_len_cpu: int = 0
+    decode_accumulates: bool = False   # into fp32 sums (DECODE_SUMS_MAX_ROWS)
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -56,10 +64,14 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             max_prefill_query_len=max(pre_q, default=0), max_prefill_seq_len=max(pre_s, default=0),
             max_decode_seq_len=max(step.seq_lens[:nd], default=0),
             decode_prefix_len=host_to_device([plen], torch.int32, self.device) if plen else None,
-            decode_prefix_len_cpu=plen)
+            decode_prefix_len_cpu=plen,
+            decode_accumulates=self.device.type == "cuda" and not pre_q and 0 < nd <= DECODE_SUMS_MAX_ROWS)
 
 
 class TritonAttentionImpl(AttentionImpl):
+    def accumulates(self, md: TritonAttentionMetadata) -> bool:
+        return md.decode_accumulates
+
     def forward(self, q, k, v, kv_cache, md: TritonAttentionMetadata, output):
         self.store_kv(k, v, kv_cache, md)
         nd, na = md.num_decode_tokens, md.num_actual_tokens
@@ -67,7 +79,7 @@ class TritonAttentionImpl(AttentionImpl):
         if nd:
             asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
                           max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
-                          **self.kv_scales)
+                          accumulate=md.decode_accumulates, **self.kv_scales)
         if md.num_prefills:
             asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
                            md.seq_lens[nd:], *args, output[nd:na],
@@ -127,7 +139,8 @@ class TritonBackend(AttentionBackend):
             num_decodes=bs, num_prefills=0, num_decode_tokens=bs, num_actual_tokens=bs,
             max_query_len=1, max_seq_len=0, query_start_loc=self.graph_qsl[: bs + 1],
             seq_lens=g.seq_lens[:bs], block_table=g.block_table[:bs], slot_mapping=g.slot_mapping[:bs],
-            max_decode_seq_len=self.graph_max_seq_len, decode_prefix_len=g.prefix_len if cascade else None)
+            max_decode_seq_len=self.graph_max_seq_len, decode_prefix_len=g.prefix_len if cascade else None,
+            decode_accumulates=bs <= DECODE_SUMS_MAX_ROWS)
 
     def prepare_for_replay(self, step: StepInputs, batch_size) -> TritonAttentionMetadata:
         table = block_table_array(step.block_tables)

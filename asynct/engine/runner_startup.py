@@ -33,6 +33,13 @@ def warmup_token_counts() -> tuple[list[int], list[int]]:
     return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
 
 
+def warmup_decode_counts() -> list[int]:
+    """The warm-up's decode-only steps, in sequences: every count the fused linears' CUDA-core
+    path serves, where a backend may take a decode its own way (the Triton backend's adds into
+    fp32 sums that the QKV projection zeroes and o_proj reads: DECODE_SUMS_MAX_ROWS)."""
+    return list(range(1, ops.GEMV_MAX_ROWS + 1))
+
+
 class RunnerStartup:
     """ModelRunner's start-up methods; they read its config, device, dtype, model, backend and
     block sizes."""
@@ -90,7 +97,7 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
         without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        then the attention variants none can reach, the penalties' and the argmax's kernels."""
+        small decode steps, then the attention variants none can reach, the penalties' and the argmax's kernels."""
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -98,6 +105,10 @@ class RunnerStartup:
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                           torch.arange(n, device=self.device), self.builder.build(step))
+        for n in warmup_decode_counts():   # a backend may take small decode steps its own way
+            step = StepInputs([1] * n, [1] * n, [[0]] * n, [-1] * n, n)
+            self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
+                          torch.zeros(n, dtype=torch.long, device=self.device), self.builder.build(step))
         for n in no_store:
             x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,

@@ -40,9 +40,16 @@ class Attention(nn.Module):
         return dict(kv_cache=self.kv_cache, slot_mapping=get_context().attn_metadata.slot_mapping,
                     **self.impl.kv_scales)
 
-    def forward(self, q, k, v):
-        """k and v None: already in the cache."""
-        out = torch.empty_like(q)
+    def attn_sums(self, rows: int) -> torch.Tensor | None:
+        """Where the backend's attention of this step adds up (`accumulates`): fp32 [rows, Hq, D]
+        for the QKV projection to zero; None where it writes a fresh output."""
+        if not self.impl.accumulates(get_context().attn_metadata):
+            return None
+        return torch.empty(rows, self.impl.num_heads, self.impl.head_dim, device=self.sigma.device)
+
+    def forward(self, q, k, v, sums=None):
+        """k and v None: already in the cache. `sums`: attn_sums, zeroed."""
+        out = torch.empty_like(q) if sums is None else sums
         self.impl.forward(q, k, v, self.kv_cache, get_context().attn_metadata, out)
         return out
 
@@ -65,18 +72,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, n, residual, next_norm, cos_sin):
         """n = this layer's input norm of `residual`; returns (next residual, its next norm)."""
-        q, k, v = self.attention_inputs(positions, n, cos_sin)
-        return self.after_attention(self.attn(q, k, v), residual, next_norm)
+        sums = self.attn.attn_sums(n.shape[0])
+        q, k, v = self.attention_inputs(positions, n, cos_sin, attn_sums=sums)
+        return self.after_attention(self.attn(q, k, v, sums), residual, next_norm)
 
-    def attention_inputs(self, positions, n, cos_sin, write_kv=True):
+    def attention_inputs(self, positions, n, cos_sin, write_kv=True, attn_sums=None):
         """q, k, v of the tokens, normed and rotated: everything of the layer before attention.
         With write_kv, k and v may come back None: stored in the cache already. A captured
-        piece of a piecewise graph must not store (its step's slots are not static)."""
+        piece of a piecewise graph must not store (its step's slots are not static).
+        `attn_sums` comes back zeroed (Attention.attn_sums)."""
         qn, kn = self.q_norm, self.k_norm
         target = self.attn.cache_target() if write_kv else {}
         return ops.linear_qk_norm_rope(n, self.qkv_proj.weight, positions, self.num_heads,
                                        self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin,
-                                       **target)
+                                       attn_sums=attn_sums, **target)
 
     def after_attention(self, attn_out, residual, next_norm):
         """Everything of the layer after attention, through the next layer's input norm."""

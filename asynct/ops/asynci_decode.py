@@ -36,7 +36,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr):
+                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -62,7 +62,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                 acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
     # splits past the last key load and add nothing (lo >= hi) and leave no partial to sum
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & (split < used))
+    mask = gmask[:, None] & (split < used)
+    if ACCUMULATE:  # into the caller's zeroed fp32 sums, in whatever order the splits finish
+        tl.atomic_add(dst, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit(do_not_specialize=["B", "S_PRE"])
@@ -152,14 +156,20 @@ def _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, fp8_args, s_
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
                          out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None,
                          block_n=BLOCK_N, num_warps=4, num_stages=2,
-                         k_scale=None, v_scale=None):
-    """`prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
+                         k_scale=None, v_scale=None, accumulate=False):
+    """`accumulate`: every split adds its fp32 partial into `out` (fp32, zeroed by the caller) by
+    relaxed atomics, so no partials are kept and no sum kernel runs (one kernel boundary fewer
+    a layer: the engine's decode steps of a few sequences, attention/triton_backend.py); the order of the adds
+    varies, so the last bits may differ from run to run.
+    `prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).
     `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe).
     `seq_lens` and `prefix_len` must not be written by the kernel launched just before this call
     (copied in from the host, or filled earlier): with programmatic dependent launch the decode
     and sum kernels read them before waiting for that kernel."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
+    if accumulate and out.dtype != torch.float32:
+        raise ValueError(f"an accumulating decode adds into fp32 sums, got out of {out.dtype}")
     b, hq, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
     if b == 0:
@@ -182,33 +192,39 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
         pre = _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, (ks, vs, fp8), s_pre, consts,
                            num_stages)
-    dst, strides = split_output(out, splits)
+    dst, strides = (out, (out.stride(0), out.stride(1), 0)) if accumulate else split_output(out, splits)
     plen = prefix_len if s_pre else seq_lens
     cap = MAX_REGISTERS[s_pre > 0, fp8]
     _decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
         q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, PTX=ptx, **consts, num_warps=num_warps,
-        num_stages=num_stages, **({"maxnreg": cap} if cap else {}), **pdl_args(q))
-    return sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
+        num_stages=num_stages, ACCUMULATE=accumulate, **({"maxnreg": cap} if cap else {}), **pdl_args(q))
+    return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=None, prefix_len=None, k_scale=None, v_scale=None, splits=None):
-    """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it.
+                  max_seq_len=None, prefix_len=None, k_scale=None, v_scale=None, splits=None,
+                  accumulate=False):
+    """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it; with
+    `accumulate`, adds it into `out` (fp32 sums, see asynci_decode_triton).
     `prefix_len` is a hint (shared leading blocks, see asynci_decode_triton): ignoring it is
     always correct, so the references and the CUDA kernel do. The CUDA kernel reads no
     FP8 cache (cuda_ext.cuda_decode_supported), so the scales go to Triton and the reference only."""
     scales = dict(k_scale=k_scale, v_scale=v_scale)
-    if not q.is_cuda:
-        return asynci_decode_ref(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size,
-                                 relu_pre, out, **scales)
-    from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
-    fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
+    fn = asynci_decode_ref
+    if q.is_cuda:
+        from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
+        fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
     if fn is asynci_decode_triton:
         return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits, **scales)
+                  max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits, accumulate=accumulate,
+                  **scales)
+    # the others write: their output is added (the reference's in fp32, the CUDA kernel's in q's dtype)
+    dst = torch.empty_like(out if fn is asynci_decode_ref else q) if accumulate else out
     if fn is asynci_decode_ref:
-        return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out, **scales)
-    return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-              max_seq_len=max_seq_len, splits=splits)
+        fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, dst, **scales)
+    else:
+        fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, dst,
+           max_seq_len=max_seq_len, splits=splits)
+    return out.add_(dst) if accumulate else out

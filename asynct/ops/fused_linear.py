@@ -66,7 +66,11 @@ def linear_reglu_unfused(x, weight):
 
 
 def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
-    return dyht_add(F.linear(x, weight), residual, alpha, dyht_weight, post_alpha, post_weight)
+    if x.dtype != weight.dtype:     # fp32 sums beside 16-bit weights: the product rounded as the kernel's
+        y = F.linear(x.float(), weight.float()).to(weight.dtype)
+    else:
+        y = F.linear(x, weight)
+    return dyht_add(y, residual, alpha, dyht_weight, post_alpha, post_weight)
 
 
 def row_tile(m: int) -> int:
@@ -128,7 +132,7 @@ def _plan(x, k, op):
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
                                k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
-                               k_scale=None, v_scale=None):
+                               k_scale=None, v_scale=None, attn_sums=None):
     d = cos_sin_cache.shape[-1]
     check(operands_problem(x, weight), head_dim_problem(d, 2 * HALF_TILE))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
@@ -154,12 +158,17 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         k_out, v = outs = tuple(torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device)
                                 for _ in range(2))
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
+    zero = attn_sums is not None
+    if zero and (attn_sums.shape != q.shape or attn_sums.dtype != torch.float32 or not attn_sums.is_contiguous()):
+        raise ValueError(f"attn_sums must be contiguous fp32 {tuple(q.shape)}, got {tuple(attn_sums.shape)} "
+                         f"{attn_sums.dtype}")
     rows, plan = _plan(x, k, "qkv")
     hb = _half(rows, plan)
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * hb)
     qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
                                num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
-                               HALF=d // 2, HB=hb, WRITE_KV=write, BS=bs, FP8=fp8, **(plan or _tiles(x, k, tiles)))
+                               attn_sums if zero else q, HALF=d // 2, HB=hb, WRITE_KV=write, BS=bs, FP8=fp8,
+                               ZERO_SUMS=zero, **(plan or _tiles(x, k, tiles)))
     return q, k_out, v
 
 
@@ -177,7 +186,7 @@ def linear_reglu_triton(x, weight):
 
 
 def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
-    check(operands_problem(x, weight), residual_problem(residual, x, weight))
+    check(operands_problem(x, weight, _gemv_takes_fp32(x, weight)), residual_problem(residual, x, weight))
     (t, k), n = x.shape, weight.shape[0]
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
@@ -194,29 +203,41 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
     return hidden, normed
 
 
-def _fast(x, weight) -> bool:
+def _gemv_takes_fp32(x, weight) -> bool:
+    """Whether o_proj's CUDA-core path takes this x as fp32 beside 16-bit weights (the decode's
+    fp32 sums, attention/triton_backend.py): it rounds each product to the weights' dtype, as
+    the dot tiles (which want both operands alike) round theirs to the activation's."""
+    return (x.dtype == torch.float32 and weight.element_size() == 2 and x.dim() == 2
+            and 0 < x.shape[0] <= SMALL_M and _plan(x, x.shape[1], "dyht_add")[1] is not None)
+
+
+def _fast(x, weight, fp32_x=False) -> bool:
     """The fused kernels serve decode-sized CUDA batches; the rest runs the unfused ops."""
-    return x.is_cuda and triton is not None and operands_problem(x, weight) is None
+    return x.is_cuda and triton is not None and operands_problem(x, weight, fp32_x) is None
 
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
                         k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None, k_scale=None,
-                        v_scale=None):
+                        v_scale=None, attn_sums=None):
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
     rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, the
     fused kernel stores k and v there itself (one kernel fewer a layer) and returns (q, None,
     None); the unfused path returns k and v for the attention backend to store.
     `positions` and `slot_mapping` must not be written by the kernel launched just before this
     call (host-written step inputs are not): with programmatic dependent launch the fused kernel
-    reads them, and their cos/sin, while that kernel still runs."""
+    reads them, and their cos/sin, while that kernel still runs.
+    `attn_sums` (fp32, q's shape) comes back zeroed, for a decode that adds into it: the fused
+    kernel zeroes it after its wait for the kernel before, with no launch of its own."""
     args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
             cos_sin_cache)
     d = cos_sin_cache.shape[-1]
     if not (_fast(x, weight) and head_dim_problem(d, 2 * HALF_TILE) is None):
+        if attn_sums is not None:
+            attn_sums.zero_()
         return linear_qk_norm_rope_unfused(*args)
     if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
-        return linear_qk_norm_rope_triton(*args)
-    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale)
+        return linear_qk_norm_rope_triton(*args, attn_sums=attn_sums)
+    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale, attn_sums)
 
 
 def linear_reglu(x, weight):
@@ -226,7 +247,9 @@ def linear_reglu(x, weight):
 
 
 def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
-    """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them."""
-    fast = _fast(x, weight) and residual_problem(residual, x, weight) is None
+    """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them.
+    x may be fp32 beside 16-bit weights (the decode's sums): the product is rounded to the weights'
+    dtype."""
+    fast = _fast(x, weight, _gemv_takes_fp32(x, weight)) and residual_problem(residual, x, weight) is None
     fn = linear_dyht_add_triton if fast else linear_dyht_add_unfused
     return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)

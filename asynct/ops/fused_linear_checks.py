@@ -1,14 +1,18 @@
 """What the fused linears (fused_linear.py) take, as the reason they cannot (None: they can): the
 *_triton functions raise it (`check`), the dispatch functions send such inputs to the unfused ops."""
+import torch
+
 from asynct.ops._triton import pow2
 
 SMALL_M = 32    # rows a fused linear takes at most (decode-sized steps)
 
 
-def operands_problem(x, weight):
+def operands_problem(x, weight, fp32_x=False):
+    """fp32_x: x may be fp32 whatever the weights' dtype (a path that takes it: fused_linear)."""
     if x.dim() != 2 or x.stride(-1) != 1 or not 0 < x.shape[0] <= SMALL_M:
         return f"x must be [T <= {SMALL_M}, K] with unit last stride, got {tuple(x.shape)}"
-    if not weight.is_contiguous() or weight.dtype != x.dtype or weight.shape[1] != x.shape[1]:
+    alike = weight.dtype == x.dtype or (fp32_x and x.dtype == torch.float32)
+    if not weight.is_contiguous() or not alike or weight.shape[1] != x.shape[1]:
         return (f"weight must be contiguous [N, {x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} "
                 f"{weight.dtype}")
     return None
@@ -23,8 +27,8 @@ def head_dim_problem(d, min_d):
 def residual_problem(residual, x, weight):
     shape = (x.shape[0], weight.shape[0])
     if (residual is None or residual.shape != shape or not residual.is_contiguous()
-            or residual.dtype != x.dtype):
-        return f"residual must be contiguous {shape} {x.dtype}"
+            or residual.dtype != weight.dtype):
+        return f"residual must be contiguous {shape} {weight.dtype}"
     return None
 
 

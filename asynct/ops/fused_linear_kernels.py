@@ -3,7 +3,7 @@ elementwise epilogue. A program streams 16 weight rows (a 16-row dot with a tile
 activation rows), or, for one to four activation rows (GEMV), 2-8 weight rows multiplied on the
 CUDA cores; RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j),
 so their programs load the two halves as one tile and split the accumulator. The accumulator
-is rounded to the activation dtype before the epilogue, as the unfused ops receive it."""
+is rounded to the weights' dtype before the epilogue, as the unfused ops receive it."""
 from asynct.ops._triton import jit as _jit, prefetch_l2, tl, wait_for_prior
 from asynct.ops.kv_cache import store_cache_rows
 
@@ -80,7 +80,9 @@ def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.co
             acc1 += w * _x_row(x_ptr + k0, sx, 1, M, kk, km)
             acc2 += w * _x_row(x_ptr + k0, sx, 2, M, kk, km)
             acc3 += w * _x_row(x_ptr + k0, sx, 3, M, kk, km)
-    return _row_sums(acc0, acc1, acc2, acc3, BLOCK_M).to(x_ptr.dtype.element_ty).to(tl.float32)
+    # the weights' dtype: an fp32 x beside 16-bit weights (the decode's sums into o_proj) rounds as
+    # a 16-bit x would
+    return _row_sums(acc0, acc1, acc2, acc3, BLOCK_M).to(w_ptr.dtype.element_ty).to(tl.float32)
 
 
 @_jit
@@ -129,11 +131,11 @@ def _dyht(x, params):
 @_jit(do_not_specialize=["M", "HQ", "HKV"])
 def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K: tl.constexpr, HQ, HKV,
                      qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw,
-                     kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head,
+                     kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, s_blk, s_tok, s_head, sums_ptr,
                      HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr, LINES: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr,
-                     FP8: tl.constexpr, GEMV: tl.constexpr):
+                     FP8: tl.constexpr, GEMV: tl.constexpr, ZERO_SUMS: tl.constexpr):
     # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
     per_head: tl.constexpr = HALF // HB
     head = tl.program_id(0) // per_head
@@ -176,6 +178,11 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
         dst = out + (m * nh + h) * (2 * HALF) + d[None, :]
         tl.store(dst, lo, mask=m < M)
         tl.store(dst + HALF, hi, mask=m < M)
+    if ZERO_SUMS and is_q:   # after the wait (in _weight_rows): the memory may be sums the o_proj before read
+        sums = sums_ptr + (m * HQ + head) * (2 * HALF) + d[None, :]
+        zero = tl.zeros((BLOCK_M, HB), dtype=tl.float32)
+        tl.store(sums, zero, mask=m < M)
+        tl.store(sums + HALF, zero, mask=m < M)
 
 
 @_jit(do_not_specialize=["M"])
