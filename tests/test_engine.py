@@ -491,18 +491,32 @@ def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
     which has no cascade."""
     shared = random_prompts(40, 1, 60, seed=5, prefix=[(7 * i) % 256 for i in range(300)])
     apart = random_prompts(40, 20, 60, seed=6)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run(llm):
+        llm.generate([{"prompt_token_ids": shared[0]}], GPU_GREEDY, use_tqdm=False)   # fills the prefix cache
+        return [greedy_tokens(llm, batch) for batch in (shared, apart)]
+    runs = gpu_backend_runs(tiny_ckpt, run)
+    assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
+
+
+GPU_GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def greedy_tokens(llm, prompts):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], GPU_GREEDY,
+                                                        use_tqdm=False)]
+
+
+def gpu_backend_runs(tiny_ckpt, run, dtype="float32"):
+    """{backend: run(llm)} on the GPU: the torch backend, the triton one in CUDA graphs and eagerly."""
     runs = {}
     for name, kw in (("torch", dict(attention_backend="torch", enforce_eager=True)),
                      ("triton-graphs", dict(attention_backend="triton")),
                      ("triton-eager", dict(attention_backend="triton", enforce_eager=True))):
-        llm = LLM(tiny_ckpt, dtype="float32", device="cuda", gpu_memory_utilization=0.3, **kw)
-        llm.generate([{"prompt_token_ids": shared[0]}], params, use_tqdm=False)   # fills the prefix cache
-        runs[name] = [[o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in batch],
-                                                                    params, use_tqdm=False)]
-                      for batch in (shared, apart)]
+        llm = LLM(tiny_ckpt, dtype=dtype, device="cuda", gpu_memory_utilization=0.3, **kw)
+        runs[name] = run(llm)
         del llm
-    assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
+    return runs
 
 
 def test_small_decode_steps_adding_into_fp32_sums_match_the_reference(tiny_ckpt, reference, monkeypatch):
@@ -541,15 +555,8 @@ def test_small_decode_batches_on_gpu_match_torch_backend(tiny_ckpt, dtype):
     tokens equal the torch backend's in fp32; in bf16 (where o_proj takes fp32 beside bf16
     weights) the three agree on at least 90 % of the tokens, the sums' order and rounding aside."""
     prompts = random_prompts(4, 100, 300, seed=8)
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    runs = {}
-    for name, kw in (("torch", dict(attention_backend="torch", enforce_eager=True)),
-                     ("triton-graphs", dict(attention_backend="triton")),
-                     ("triton-eager", dict(attention_backend="triton", enforce_eager=True))):
-        llm = LLM(tiny_ckpt, dtype=dtype, device="cuda", gpu_memory_utilization=0.3, **kw)
-        runs[name] = [o.outputs[0].token_ids for n in range(1, 5)
-                      for o in llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], params, use_tqdm=False)]
-        del llm
+    runs = gpu_backend_runs(tiny_ckpt, lambda llm: sum((greedy_tokens(llm, prompts[:n]) for n in range(1, 5)), []),
+                            dtype)
     if dtype == "float32":
         assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
         return
