@@ -136,6 +136,18 @@ def test_bad_prompt_logprobs_are_400s(url, body):
     assert post(url, {"prompt": "hi", "max_tokens": 2, "stream": True, "prompt_logprobs": 0}).status_code == 200
 
 
+def test_stream_options_without_stream_are_400s(url):
+    """As OpenAI's and vLLM's servers: stream_options only with stream: true (it was accepted and
+    ignored); null is no option."""
+    options = {"include_usage": True}
+    for path, extra in (("/v1/completions", {"prompt": "hi"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        r = post(url, {**extra, "max_tokens": 2, "stream_options": options}, path)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+        assert post(url, {**extra, "max_tokens": 2, "stream_options": None}, path).status_code == 200
+        assert post(url, {**extra, "max_tokens": 2, "stream": True, "stream_options": options}, path).status_code == 200
+
+
 # ---- bad_words -------------------------------------------------------------------------------
 def reference_banned(output: list[int], words: list[list[int]]) -> set[int]:
     """vLLM V1's per-row rule: the last token of each word whose other tokens end the output."""

@@ -116,6 +116,9 @@ class SamplingFields(Body):
             if self.min_tokens > cap:
                 raise Unsupported("min_tokens", f"min_tokens={self.min_tokens} exceeds max_tokens={cap}, the "
                                                 "most this model's generation config allows (max_new_tokens)")
+        if self.stream_options is not None and not self.stream:
+            raise Unsupported("stream_options", "stream_options is only allowed with stream: true (as OpenAI's "
+                                                "and vLLM's servers)")
         for name, noops in self.NOT_APPLIED.items():
             if getattr(self, name) not in noops:
                 raise Unsupported(name, f"{name} is not supported (only {' or '.join(map(json.dumps, noops))})")
