@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest atomic persistent fp8 vllm parity sweep decode-sweep small-batch
+#   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
 #           bench engine profile profile-gsm8k
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -45,6 +45,8 @@ for s in $stages; do
              timeout 300 python3 benchmarks/small_batch.py --model $M --skip-ops --modes "no decode sums,fused" \
                --batches 1,2,3,4,8 2>&1 | grep -v "^{" | tee $OUT/sums_steps.log
              timeout 200 python3 benchmarks/decode_atomic.py 2>&1 | tee $OUT/atomic.log ;;
+    mlp-atomic) # a dropped lead: batch 1's MLP as one kernel, down's K split over gate/up's programs (atomics)
+             (cd benchmarks && PYTHONPATH=.. timeout 200 python3 mlp_atomic.py) 2>&1 | tee $OUT/mlp_atomic.log ;;
     first-latency) # a fresh machine's first process: empty Triton cache, cold imports
              timeout 300 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown \
                --workloads latency,throughput --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" | tee $OUT/first.log ;;
