@@ -397,6 +397,14 @@ def llm_shared(tiny_ckpt):
     return LLM(tiny_ckpt, **SHARED)
 
 
+def test_start_up_seconds_name_their_parts(llm_shared):
+    """Start-up lines split an engine's start by part; the kernels compiled ahead (most of a
+    fresh GPU machine's start) are their own part, not counted as loading weights (none on a CPU)."""
+    seconds = llm_shared.llm_engine.startup_seconds
+    assert list(seconds) == ["weights", "compile", "profile", "kv_cache", "decode_graphs", "piecewise_graphs"]
+    assert seconds["compile"] == 0 and all(v >= 0 for v in seconds.values())
+
+
 def test_abort_frees_blocks_and_n_samples(tiny_ckpt):
     llm = LLM(tiny_ckpt)
     engine = llm.llm_engine

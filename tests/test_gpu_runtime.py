@@ -116,5 +116,6 @@ def test_lazy_decode_graphs_wait_for_a_decode_and_change_no_token(gqa_ckpt):
                           for o in llm.generate(prompts, params, use_tqdm=False)]
         assert runner.graphs is not None and counter.compiles == []
         assert runner.capture_seconds["decode_graphs"] > 0
+        assert llm.llm_engine.startup_seconds["compile"] > 0     # the compile-ahead: its own part of start-up
         del llm, runner
     assert outs[True] == outs[False]

@@ -53,8 +53,11 @@ class ModelRunner(RunnerStartup):
         self.lazy_decode_graphs, self.decode_graphs_pending = lazy_decode_graphs, False
         graphs_possible = self.device.type == "cuda" and self.backend.supports_cuda_graphs
         self.cudagraph_mode = cudagraph_mode if graphs_possible else "none"
+        self.compile_seconds = 0.0       # a fresh machine compiles every kernel here (empty Triton cache)
         if self.device.type == "cuda":
+            t0 = time.perf_counter()
             self._compile_ahead()
+            self.compile_seconds = time.perf_counter() - t0
         self.max_num_seqs = max_num_seqs
         # the previous step's sampled tokens, on the device. A sampling graph's input ids (its
         # argmax), which the next replay overwrites, only after a step whose every row took the
