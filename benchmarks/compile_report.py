@@ -155,8 +155,9 @@ def linear_reports(batches=(1, 2, 3, 4, 8, 16, 32)):
                                                dict(K=HIDDEN, HB=hb), plan)
         for name, k, post in (("o_proj", HQ * D, True), ("down", INTER, False)):
             rows, n, plan = _linear_launch("dyht_add", m, k, lambda r, p: -(-HIDDEN // r))
-            args = dict(x, x_ptr="*fp32" if sums and name == "o_proj" else "*bf16", sx=k, res_ptr="*bf16", hid_ptr="*bf16", out_ptr="*bf16", a_ptr="*fp32", dw_ptr="*bf16",
-                        pa_ptr="*fp32", pw_ptr="*bf16", M=m, N=HIDDEN, sa=0, sw=1, spa=0, spw=1)
+            x_type = "*fp32" if sums and name == "o_proj" else "*bf16"     # o_proj reads the decode's sums
+            args = dict(x, x_ptr=x_type, sx=k, res_ptr="*bf16", hid_ptr="*bf16", out_ptr="*bf16", a_ptr="*fp32",
+                        dw_ptr="*bf16", pa_ptr="*fp32", pw_ptr="*bf16", M=m, N=HIDDEN, sa=0, sw=1, spa=0, spw=1)
             yield f"{name}, {m} rows", n, _linear(flk.linear_dyht_add_kernel, args,
                                                   dict(K=k, HAS_POST=post, BLOCK_N=rows), plan)
 

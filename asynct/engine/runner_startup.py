@@ -97,7 +97,8 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
         without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        small decode steps, then the attention variants none can reach, the penalties' and the argmax's kernels."""
+        small decode steps, then the attention variants none can reach, the penalties' and the
+        argmax's kernels."""
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)

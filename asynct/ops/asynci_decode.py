@@ -159,7 +159,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                          k_scale=None, v_scale=None, accumulate=False):
     """`accumulate`: every split adds its fp32 partial into `out` (fp32, zeroed by the caller) by
     relaxed atomics, so no partials are kept and no sum kernel runs (one kernel boundary fewer
-    a layer: the engine's decode steps of a few sequences, attention/triton_backend.py); the order of the adds
+    a layer: the engine's batch-1 decode, attention/triton_backend.py); the order of the adds
     varies, so the last bits may differ from run to run.
     `prefix_len` (int32 [1] on the device): the batch's sequences share the KV blocks of their
     first prefix_len keys; those are then read once per tile of sequences (cascade attention).

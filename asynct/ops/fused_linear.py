@@ -205,8 +205,8 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
 
 def _gemv_takes_fp32(x, weight) -> bool:
     """Whether o_proj's CUDA-core path takes this x as fp32 beside 16-bit weights (the decode's
-    fp32 sums, attention/triton_backend.py): it rounds each product to the weights' dtype, as
-    the dot tiles (which want both operands alike) round theirs to the activation's."""
+    fp32 sums, attention/triton_backend.py): it rounds each dot product to the weights' dtype,
+    as the dot tiles (which want both operands alike) round theirs to the activation's."""
     return (x.dtype == torch.float32 and weight.element_size() == 2 and x.dim() == 2
             and 0 < x.shape[0] <= SMALL_M and _plan(x, x.shape[1], "dyht_add")[1] is not None)
 
