@@ -446,6 +446,16 @@ def test_malformed_json_names_no_param(url):
     assert r.status_code == 400 and "malformed JSON" in err["message"] and err["param"] is None, r.text
 
 
+def test_json_nested_past_the_recursion_limit_says_so(url):
+    """Well-formed JSON nested 20,000 deep makes the parser recurse past Python's limit: a 400
+    that says so (it was FastAPI's "There was an error parsing the body"), and the server serves on."""
+    body = b'{"model": "tiny", "prompt": ' + b"[" * 20_000 + b"1" + b"]" * 20_000 + b"}"
+    r = httpx.post(url + "/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and "nests deeper" in err["message"] and err["param"] is None, r.text
+    assert post(url, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+
+
 def test_max_tokens_past_the_context_is_a_400(url):
     """A prompt and max_tokens past max_model_len together were accepted, and stopped at the end
     of the context with finish_reason "length", as if max_tokens had been reached. As vLLM: 400,

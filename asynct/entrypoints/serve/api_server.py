@@ -124,7 +124,10 @@ def add_error_handlers(app: FastAPI):
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
-        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
+        detail = str(e.detail)
+        if isinstance(e.__cause__, RecursionError):     # FastAPI's parse of the body gave up: say why
+            detail = "malformed JSON body: it nests deeper than the parser's recursion limit"
+        return JSONResponse(error_body(e.status_code, detail), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
 
