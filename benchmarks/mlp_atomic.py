@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+from asynct import ops
 from asynct.ops import fused_linear as fl
 from asynct.ops._triton import jit, pdl_args, tl, wait_for_prior
 
@@ -72,7 +73,7 @@ def one_layer_difference(c, inter, dtype, device, hb, warps):
     gen = torch.Generator().manual_seed(0)
     (layer,), a, dw = make_layers(1, c, inter, dtype, device, gen)
     res = (torch.randn(1, c, generator=gen) * 2).to(dtype).to(device)
-    x = (dw * (a * res.float()).clamp(-1, 1)).to(dtype)
+    x = ops.dyht(res, a, dw)
     hidden, _ = fl.linear_dyht_add(fl.linear_reglu(x, layer["w_gu"]), layer["w_down"], res, a, dw)
     sums_in, sums_out = torch.zeros(c, device=device), torch.zeros(c, device=device)
     res_out = torch.empty(c, dtype=dtype, device=device)

@@ -192,7 +192,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
         pre = _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, (ks, vs, fp8), s_pre, consts,
                            num_stages)
-    dst, strides = (out, (out.stride(0), out.stride(1), 0)) if accumulate else split_output(out, splits)
+    dst, strides = split_output(out, 1 if accumulate else splits)   # accumulating: straight into out
     plen = prefix_len if s_pre else seq_lens
     cap = MAX_REGISTERS[s_pre > 0, fp8]
     _decode_kernel[(b, hkv, splits)](

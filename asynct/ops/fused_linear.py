@@ -16,7 +16,7 @@ from asynct.ops._triton import pdl_args, triton
 from asynct.ops.asynci_common import scale_args, sm_count
 from asynct.ops.dyht import _param_stride, dyht_add
 from asynct.ops.fused_linear_checks import (SMALL_M, cache_problem, check, head_dim_problem,  # noqa: F401
-                                            operands_problem, residual_problem)
+                                            operands_problem, residual_problem, sums_problem)
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.reglu import reglu
@@ -158,10 +158,8 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         k_out, v = outs = tuple(torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device)
                                 for _ in range(2))
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
+    check(sums_problem(attn_sums, q))
     zero = attn_sums is not None
-    if zero and (attn_sums.shape != q.shape or attn_sums.dtype != torch.float32 or not attn_sums.is_contiguous()):
-        raise ValueError(f"attn_sums must be contiguous fp32 {tuple(q.shape)}, got {tuple(attn_sums.shape)} "
-                         f"{attn_sums.dtype}")
     rows, plan = _plan(x, k, "qkv")
     hb = _half(rows, plan)
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * hb)

@@ -43,6 +43,13 @@ def cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
     return None
 
 
+def sums_problem(attn_sums, q):
+    if attn_sums is not None and (attn_sums.shape != q.shape or attn_sums.dtype != torch.float32
+                                  or not attn_sums.is_contiguous()):
+        return f"attn_sums must be contiguous fp32 {tuple(q.shape)}, got {tuple(attn_sums.shape)} {attn_sums.dtype}"
+    return None
+
+
 def check(*problems):
     for problem in problems:
         if problem:
