@@ -256,27 +256,7 @@ def no_decode_sums():
         triton_backend.DECODE_SUMS_MAX_ROWS = real
 
 
-@contextlib.contextmanager
-def ahead(plan, mode=1):
-    """The linears prefetch later linears' weights into L2 before their PDL wait (prototype)."""
-    real, real_mode = engine_model.WEIGHT_AHEAD, fl.AHEAD_MODE
-    engine_model.WEIGHT_AHEAD, fl.AHEAD_MODE = plan, mode
-    try:
-        yield
-    finally:
-        engine_model.WEIGHT_AHEAD, fl.AHEAD_MODE = real, real_mode
-
-
-AHEAD_MODES = {
-    "ahead gu@qkv down@o": lambda: ahead({"qkv_proj": (2, 2), "o_proj": (2, 2)}),
-    "ahead gu+down@qkv": lambda: ahead({"qkv_proj": (2, 3)}),
-    "ahead o..down@qkv": lambda: ahead({"qkv_proj": (1, 3)}),
-    "ahead gu+down@qkv bulk": lambda: ahead({"qkv_proj": (2, 3)}, 2),
-    "ahead next o+gu@down + down@qkv": lambda: ahead({"down_proj": (2, 3), "qkv_proj": (3, 3)}),
-    "ahead packed only": lambda: ahead({}),
-}
-
-MODES = {**AHEAD_MODES, "unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
+MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
          "no decode caps": no_decode_caps, "no decode sums": no_decode_sums,
          "fused": contextlib.nullcontext}

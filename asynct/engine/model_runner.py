@@ -18,7 +18,6 @@ from asynct.engine.sampler import sample, takes_raw_argmax
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import (LaunchedStep, StepOutput, entries, logprob_parts, logprob_tensors,
                                        to_host)
-from asynct.model import engine_model
 from asynct.model.engine_model import AsyncTEngineModel
 from asynct.model.kv_scales import is_fp8, resolve_kv_cache_dtype, set_kv_scales
 from asynct.model.loader import load_weights
@@ -46,8 +45,6 @@ class ModelRunner(RunnerStartup):
                 p.data = p.data.float()
         self.model.cos_sin_cache = self.model.rope_cache(self.device)   # fp32: .to(dtype) cast it
         load_weights(self.model, model_path)
-        if engine_model.WEIGHT_AHEAD is not None and self.device.type == "cuda":
-            engine_model.pack_weight_stream(self.model.layers, engine_model.WEIGHT_AHEAD)
         if is_fp8(self.kv_dtype):
             set_kv_scales(self.model)
         self.model.eval()

@@ -8,12 +8,6 @@ from asynct import ops
 from asynct.config import AsyncTConfig
 from asynct.engine.context import get_context
 
-# The four linears of a layer in the order a forward reads their weights
-STREAM = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-# linear -> (first, last) of the weights it prefetches into L2 before its PDL wait, as offsets
-# in the stream of every layer's linears (1: the next linear); None: no look-ahead (prototype)
-WEIGHT_AHEAD = None
-
 
 class DyHTParams(nn.Module):
     """Holds a DyHT's parameters; the fused ops apply them."""
@@ -91,42 +85,15 @@ class DecoderLayer(nn.Module):
         target = self.attn.cache_target() if write_kv else {}
         return ops.linear_qk_norm_rope(n, self.qkv_proj.weight, positions, self.num_heads,
                                        self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin,
-                                       attn_sums=attn_sums, ahead=_ahead(self.qkv_proj), **target)
+                                       attn_sums=attn_sums, **target)
 
     def after_attention(self, attn_out, residual, next_norm):
         """Everything of the layer after attention, through the next layer's input norm."""
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         h, m = ops.linear_dyht_add(attn_out.view(attn_out.shape[0], -1), self.o_proj.weight, residual,
-                                   pre.alpha, pre.weight, post.alpha, post.weight, ahead=_ahead(self.o_proj))
-        mlp = ops.linear_reglu(m, self.gate_up_proj.weight, ahead=_ahead(self.gate_up_proj))
-        return ops.linear_dyht_add(mlp, self.down_proj.weight, h, next_norm.alpha, next_norm.weight,
-                                   ahead=_ahead(self.down_proj))
-
-
-def _ahead(linear):
-    return getattr(linear, "ahead", None)
-
-
-@torch.no_grad()
-def pack_weight_stream(layers, plan):
-    """Moves every layer's linear weights into one buffer, in the order a forward reads them, and
-    gives each linear of `plan` the bytes it prefetches (`ahead`): a view of that buffer."""
-    linears = [getattr(layer, name) for layer in layers for name in STREAM]
-    w0 = linears[0].weight
-    flat = torch.empty(sum(lin.weight.numel() for lin in linears), dtype=w0.dtype, device=w0.device)
-    spans, at = [], 0
-    for lin in linears:
-        n = lin.weight.numel()
-        view = flat[at:at + n].view_as(lin.weight)
-        view.copy_(lin.weight)
-        lin.weight.data = view
-        spans.append((at * flat.element_size(), (at + n) * flat.element_size()))
-        at += n
-    stream = flat.view(torch.uint8)
-    for i, lin in enumerate(linears):
-        first, last = plan.get(STREAM[i % len(STREAM)], (None, None))
-        if first is not None and i + first < len(linears):
-            lin.ahead = stream[spans[i + first][0]:spans[min(i + last, len(linears) - 1)][1]]
+                                   pre.alpha, pre.weight, post.alpha, post.weight)
+        mlp = ops.linear_reglu(m, self.gate_up_proj.weight)
+        return ops.linear_dyht_add(mlp, self.down_proj.weight, h, next_norm.alpha, next_norm.weight)
 
 
 class AsyncTEngineModel(nn.Module):

@@ -79,29 +79,6 @@ def prefetch_l2(ptrs):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
-@jit
-def prefetch_ahead(ptr, nbytes, AHEAD: tl.constexpr):
-    """Asks L2 for this program's share of the `nbytes` bytes at `ptr` (a byte pointer): weights a
-    later kernel of the step reads. AHEAD 1: one 128-byte line a thread and instruction; 2: one
-    bulk prefetch (cp.async.bulk.prefetch.L2, sm_90) a thread of its 16-byte-aligned share."""
-    if AHEAD == 1:
-        lines = tl.cdiv(nbytes, 128)
-        per = tl.cdiv(lines, tl.num_programs(0))
-        first = tl.program_id(0) * per
-        end = tl.minimum(first + per, lines)
-        for i in range(first, end, 256):
-            line = tl.minimum(i + tl.arange(0, 256), end - 1)
-            prefetch_l2(ptr + line.to(tl.int64) * 128)
-    elif AHEAD == 2:
-        per = tl.cdiv(tl.cdiv(nbytes, 16), tl.num_programs(0) * 128) * 16
-        start = (tl.program_id(0) * 128 + tl.arange(0, 128)).to(tl.int64) * per
-        size = tl.minimum(tl.maximum(nbytes - start, 0), per).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [(ptr + tl.minimum(start, nbytes - 16)).to(tl.int64), size], dtype=tl.int32, is_pure=False,
-            pack=1)
-
-
 def with_launcher(kernel):
     """Builds a compiled kernel's launcher, the small C module Triton otherwise builds with the
     host compiler at the kernel's first launch, and caches on disk by its source: on an empty

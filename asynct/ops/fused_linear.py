@@ -23,7 +23,6 @@ from asynct.ops.reglu import reglu
 from asynct.ops.rope import qk_norm_rope
 
 L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.py
-AHEAD_MODE = 1      # prefetch_ahead's: 1 line prefetches, 2 bulk prefetches
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
 TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot operand)
 # The CUDA-core path (GEMV) where it beat the tl.dot kernels (H200, bench-0.6b's shapes, the best
@@ -107,14 +106,6 @@ def _tiles(x, k, tiles):
                 num_warps=4 if tiles < sms else 2, num_stages=stages, LINES=lines, GEMV=False, **pdl)
 
 
-def _ahead(ahead, weight, pdl_on) -> dict:
-    """The kernels' look-ahead arguments: `ahead` (bytes of a later kernel's weights) prefetched
-    into L2 before the PDL wait, split over the grid; nothing without PDL."""
-    on = ahead is not None and pdl_on and ahead.numel() >= 16
-    return dict(ah_ptr=ahead if on else weight, ah_bytes=ahead.numel() if on else 0,
-                AHEAD=AHEAD_MODE if on else 0)
-
-
 def _half(rows, plan):
     """A paired op's rows of each half a program: half its GEMV rows, or HALF_TILE (benchmarks set it)."""
     return rows // 2 if plan else HALF_TILE
@@ -141,7 +132,7 @@ def _plan(x, k, op):
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
                                k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
-                               k_scale=None, v_scale=None, attn_sums=None, ahead=None):
+                               k_scale=None, v_scale=None, attn_sums=None):
     d = cos_sin_cache.shape[-1]
     check(operands_problem(x, weight), head_dim_problem(d, 2 * HALF_TILE))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
@@ -172,15 +163,14 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     rows, plan = _plan(x, k, "qkv")
     hb = _half(rows, plan)
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * hb)
-    opts = plan or _tiles(x, k, tiles)
     qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
                                num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
                                attn_sums if zero else q, HALF=d // 2, HB=hb, WRITE_KV=write, BS=bs, FP8=fp8,
-                               ZERO_SUMS=zero, **_ahead(ahead, weight, opts["PDL"]), **opts)
+                               ZERO_SUMS=zero, **(plan or _tiles(x, k, tiles)))
     return q, k_out, v
 
 
-def linear_reglu_triton(x, weight, ahead=None):
+def linear_reglu_triton(x, weight):
     check(operands_problem(x, weight))
     if weight.shape[0] % 2:
         raise ValueError(f"gate_up weight needs an even row count, got {weight.shape[0]}")
@@ -189,14 +179,11 @@ def linear_reglu_triton(x, weight, ahead=None):
     rows, plan = _plan(x, k, "reglu")
     hb = _half(rows, plan)
     tiles = triton.cdiv(i, hb)
-    opts = plan or _tiles(x, k, tiles)
-    gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=hb,
-                                   **_ahead(ahead, weight, opts["PDL"]), **opts)
+    gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=hb, **(plan or _tiles(x, k, tiles)))
     return out
 
 
-def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None,
-                           ahead=None):
+def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     check(operands_problem(x, weight, _gemv_takes_fp32(x, weight)), residual_problem(residual, x, weight))
     (t, k), n = x.shape, weight.shape[0]
     if (post_alpha is None) != (post_weight is None):
@@ -208,10 +195,9 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
     rows, plan = _plan(x, k, "dyht_add")
     tiles = triton.cdiv(n, rows)
-    opts = plan or _tiles(x, k, tiles)
     linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
-        *strides, HAS_POST=has_post, BLOCK_N=rows, **_ahead(ahead, weight, opts["PDL"]), **opts)
+        *strides, HAS_POST=has_post, BLOCK_N=rows, **(plan or _tiles(x, k, tiles)))
     return hidden, normed
 
 
@@ -230,7 +216,7 @@ def _fast(x, weight, fp32_x=False) -> bool:
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
                         k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None, k_scale=None,
-                        v_scale=None, attn_sums=None, ahead=None):
+                        v_scale=None, attn_sums=None):
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
     rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, the
     fused kernel stores k and v there itself (one kernel fewer a layer) and returns (q, None,
@@ -248,22 +234,20 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
             attn_sums.zero_()
         return linear_qk_norm_rope_unfused(*args)
     if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
-        return linear_qk_norm_rope_triton(*args, attn_sums=attn_sums, ahead=ahead)
-    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale, attn_sums, ahead)
+        return linear_qk_norm_rope_triton(*args, attn_sums=attn_sums)
+    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale, attn_sums)
 
 
-def linear_reglu(x, weight, ahead=None):
+def linear_reglu(x, weight):
     """relu(gate) * up of `x @ weight.T` (weight = [gate; up])."""
-    if _fast(x, weight) and weight.shape[0] % 2 == 0:
-        return linear_reglu_triton(x, weight, ahead)
-    return linear_reglu_unfused(x, weight)
+    fn = linear_reglu_triton if _fast(x, weight) and weight.shape[0] % 2 == 0 else linear_reglu_unfused
+    return fn(x, weight)
 
 
-def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None, ahead=None):
+def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
     """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them.
     x may be fp32 beside 16-bit weights (the decode's sums): the product is rounded to the weights'
     dtype."""
     fast = _fast(x, weight, _gemv_takes_fp32(x, weight)) and residual_problem(residual, x, weight) is None
-    if fast:
-        return linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight, ahead)
-    return linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)
+    fn = linear_dyht_add_triton if fast else linear_dyht_add_unfused
+    return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)

@@ -4,14 +4,14 @@ activation rows), or, for one to four activation rows (GEMV), 2-8 weight rows mu
 CUDA cores; RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j),
 so their programs load the two halves as one tile and split the accumulator. The accumulator
 is rounded to the weights' dtype before the epilogue, as the unfused ops receive it."""
-from asynct.ops._triton import jit as _jit, prefetch_ahead, prefetch_l2, tl, wait_for_prior
+from asynct.ops._triton import jit as _jit, prefetch_l2, tl, wait_for_prior
 from asynct.ops.kv_cache import store_cache_rows
 
 
 @_jit
 def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-              LINES: tl.constexpr, ah_ptr, ah_bytes, AHEAD: tl.constexpr):
+              LINES: tl.constexpr):
     """fp32 [BLOCK_M, BLOCK_N] = x[:M] @ w[rows].T, rounded to x's dtype. Before the wait for the
     kernel before (PDL), the program asks L2 for its weight rows, LINES 128-byte lines per row
     and K tile (0: no prefetch). Loading them into registers instead lost: all of K (<= 1,024)
@@ -24,7 +24,6 @@ def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_
         line = tl.arange(0, LINES)[None, :] * (BLOCK_K // LINES)
         for k0 in range(0, K, BLOCK_K):
             prefetch_l2(base + tl.minimum(k0 + line, K - 1))
-    prefetch_ahead(ah_ptr, ah_bytes, AHEAD)
     wait_for_prior(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -50,7 +49,7 @@ def _x_row(x_ptr, sx, i: tl.constexpr, M, k, km):
 
 @_jit
 def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_K: tl.constexpr, PDL: tl.constexpr, ah_ptr, ah_bytes, AHEAD: tl.constexpr):
+               BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """_dot_rows for one to four activation rows (BLOCK_M 1, 2 or 4), on the CUDA cores: K is
     unrolled, so all of a program's weight loads go out at once, straight into registers, and
     a 16-row dot tile's empty rows cost nothing. Each weight tile, loaded once, meets every
@@ -66,13 +65,11 @@ def _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.co
     if BLOCK_K >= K:
         km = kk < K
         w = tl.load(base + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0).to(tl.float32)
-        prefetch_ahead(ah_ptr, ah_bytes, AHEAD)
         wait_for_prior(PDL)
         # products, not sums onto zeros: each fuses into the reduction's adds (FMA)
         acc0, acc1 = w * _x_row(x_ptr, sx, 0, M, kk, km), w * _x_row(x_ptr, sx, 1, M, kk, km)
         acc2, acc3 = w * _x_row(x_ptr, sx, 2, M, kk, km), w * _x_row(x_ptr, sx, 3, M, kk, km)
     else:
-        prefetch_ahead(ah_ptr, ah_bytes, AHEAD)
         wait_for_prior(PDL)
         acc0 = tl.zeros((rows.shape[0], BLOCK_K), dtype=tl.float32)
         acc1, acc2, acc3 = acc0, acc0, acc0
@@ -104,13 +101,12 @@ def _row_sums(acc0, acc1, acc2, acc3, BLOCK_M: tl.constexpr):
 @_jit
 def _weight_rows(x_ptr, sx, M, w_ptr, rows, rmask, K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-                 PDL: tl.constexpr, LINES: tl.constexpr, GEMV: tl.constexpr, ah_ptr, ah_bytes,
-                 AHEAD: tl.constexpr):
+                 PDL: tl.constexpr, LINES: tl.constexpr, GEMV: tl.constexpr):
     if GEMV:
-        acc = _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M, BLOCK_K, PDL, ah_ptr, ah_bytes, AHEAD)
+        acc = _gemv_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M, BLOCK_K, PDL)
     else:
         acc = _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION,
-                        PDL, LINES, ah_ptr, ah_bytes, AHEAD)
+                        PDL, LINES)
     return acc
 
 
@@ -139,8 +135,7 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
                      HALF: tl.constexpr, HB: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr, LINES: tl.constexpr, WRITE_KV: tl.constexpr, BS: tl.constexpr,
-                     FP8: tl.constexpr, GEMV: tl.constexpr, ZERO_SUMS: tl.constexpr, ah_ptr, ah_bytes,
-                     AHEAD: tl.constexpr):
+                     FP8: tl.constexpr, GEMV: tl.constexpr, ZERO_SUMS: tl.constexpr):
     # one program: dims [d0, d0 + HB) and their RoPE partners [d0 + HALF, ...) of one head
     per_head: tl.constexpr = HALF // HB
     head = tl.program_id(0) // per_head
@@ -161,7 +156,7 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
     j = tl.arange(0, 2 * HB)
     rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
     acc = _weight_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
-                       LINES, GEMV, ah_ptr, ah_bytes, AHEAD)
+                       LINES, GEMV)
     lo, hi = _halves(acc, BLOCK_M, HB)
     if head < HQ + HKV:
         lo, hi = _dyht(lo, norm_lo), _dyht(hi, norm_hi)
@@ -193,14 +188,13 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
 @_jit(do_not_specialize=["M"])
 def gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K: tl.constexpr, I, HB: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, GEMV: tl.constexpr,
-                          ah_ptr, ah_bytes, AHEAD: tl.constexpr):
+                          PRECISION: tl.constexpr, PDL: tl.constexpr, LINES: tl.constexpr, GEMV: tl.constexpr):
     # one program: gate rows [n0, n0 + HB) and their up rows [I + n0, ...)
     j = tl.arange(0, 2 * HB)
     n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
     rows = tl.where(j < HB, n, n + I)
     acc = _weight_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
-                       LINES, GEMV, ah_ptr, ah_bytes, AHEAD)
+                       LINES, GEMV)
     gate, up = _halves(acc, BLOCK_M, HB)
     m = tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
@@ -213,11 +207,11 @@ def linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, d
                             M, K: tl.constexpr, N, sa, sw, spa, spw, HAS_POST: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                            LINES: tl.constexpr, GEMV: tl.constexpr, ah_ptr, ah_bytes, AHEAD: tl.constexpr):
+                            LINES: tl.constexpr, GEMV: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
     h = _weight_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL,
-                     LINES, GEMV, ah_ptr, ah_bytes, AHEAD)
+                     LINES, GEMV)
     safe = tl.where(cmask, cols, 0)
     if HAS_POST:
         h = _dyht(h, _norm_params(pa_ptr, pw_ptr, safe, spa, spw))
