@@ -256,18 +256,7 @@ def no_decode_sums():
         triton_backend.DECODE_SUMS_MAX_ROWS = real
 
 
-@contextlib.contextmanager
-def sums_to_32():
-    """Prototype: decode steps of up to 32 sequences add into fp32 sums; o_proj's dot tiles round them."""
-    real = triton_backend.DECODE_SUMS_MAX_ROWS
-    triton_backend.DECODE_SUMS_MAX_ROWS, fl.DOT_TAKES_FP32 = 32, True
-    try:
-        yield
-    finally:
-        triton_backend.DECODE_SUMS_MAX_ROWS, fl.DOT_TAKES_FP32 = real, False
-
-
-MODES = {"sums to 32": sums_to_32, "unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
+MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
          "no decode caps": no_decode_caps, "no decode sums": no_decode_sums,
          "fused": contextlib.nullcontext}

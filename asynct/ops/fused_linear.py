@@ -41,7 +41,6 @@ TILE_N = 16         # unpaired programs: 16 weight rows (the smallest tl.dot ope
 # or 2 warps 4-286 (sm_90 compiles, benchmarks/compile_report.py's method).
 GEMV = {"qkv": ((8, 8, 4, 4), 512, (4, 8, 8, 8)), "reglu": ((4,), 1024, (4,), (40,)),
         "dyht_add": ((2,) * 4, 1024, (4, 4, 4, 4))}
-DOT_TAKES_FP32 = False   # prototype: the dot tiles round an fp32 x to the weights' dtype
 GEMV_MAX_ROWS = 4   # the kernel keeps one accumulator a row (one 3-D one lost: RESULTS.md)
 # Past two rows only up to this K: four accumulators of a wider K spill (sm_90: down at K 11,008
 # 92 B, at 14,336 766 B a thread), measured at bench-0.6b's K of 1,024-3,072 only
@@ -196,10 +195,9 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
     rows, plan = _plan(x, k, "dyht_add")
     tiles = triton.cdiv(n, rows)
-    opts = plan or dict(_tiles(x, k, tiles), PRECISION="ieee" if weight.dtype == torch.float32 else "tf32")
     linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
-        *strides, HAS_POST=has_post, BLOCK_N=rows, **opts)
+        *strides, HAS_POST=has_post, BLOCK_N=rows, **(plan or _tiles(x, k, tiles)))
     return hidden, normed
 
 
@@ -208,7 +206,7 @@ def _gemv_takes_fp32(x, weight) -> bool:
     fp32 sums, attention/triton_backend.py): it rounds each dot product to the weights' dtype,
     as the dot tiles (which want both operands alike) round theirs to the activation's."""
     return (x.dtype == torch.float32 and weight.element_size() == 2 and x.dim() == 2
-            and 0 < x.shape[0] <= SMALL_M and (DOT_TAKES_FP32 or _plan(x, x.shape[1], "dyht_add")[1] is not None))
+            and 0 < x.shape[0] <= SMALL_M and _plan(x, x.shape[1], "dyht_add")[1] is not None)
 
 
 def _fast(x, weight, fp32_x=False) -> bool:

@@ -29,13 +29,13 @@ def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)[None, :]
         if EVEN_K:
-            x = tl.load(xp + kk, mask=m < M, other=0.0).to(w_ptr.dtype.element_ty)
+            x = tl.load(xp + kk, mask=m < M, other=0.0)
             w = tl.load(wp + kk, mask=rmask[:, None], other=0.0)
         else:
-            x = tl.load(xp + kk, mask=(m < M) & (kk < K), other=0.0).to(w_ptr.dtype.element_ty)
+            x = tl.load(xp + kk, mask=(m < M) & (kk < K), other=0.0)
             w = tl.load(wp + kk, mask=rmask[:, None] & (kk < K), other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
-    return acc.to(w_ptr.dtype.element_ty).to(tl.float32)
+    return acc.to(x_ptr.dtype.element_ty).to(tl.float32)
 
 
 @_jit
