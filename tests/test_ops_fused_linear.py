@@ -283,6 +283,50 @@ def test_bad_inputs_are_named():
                                    rope_cos_sin_cache(16, 8))
 
 
+@pytest.mark.parametrize("t", [3, 20, SMALL_M + 5])
+def test_outputs_go_into_given_buffers(t):
+    """`out`: the static buffers of a piecewise graph. The QKV projection, q and k (and the
+    unfused path's v, a view of the projection) and the hidden of linear_dyht_add are written
+    there, the buffer may be the residual itself, and the values are the fresh outputs'. The
+    fused kernels (up to SMALL_M rows) write their own v. A buffer of the wrong shape is named."""
+    gen, dtype, (hq, hkv, d, k) = torch.Generator().manual_seed(t), torch.bfloat16, (4, 2, 32, 96)
+    x, w = rand(t, k, gen=gen, dtype=dtype).to(DEV), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype).to(DEV)
+    pos, cache = torch.randint(0, 100, (t,), generator=gen).to(DEV), rope_cos_sin_cache(d, 128).to(DEV)
+    norms = [p.to(DEV) for p in (*norm_params(d, True, gen), *norm_params(d, False, gen))]
+    nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype, device=DEV)  # noqa: E731
+    bufs = (nan(t, (hq + 2 * hkv) * d), nan(t, hq, d), nan(t, hkv, d))
+    want = linear_qk_norm_rope(x, w, pos, hq, hkv, *norms, cache)
+    got = linear_qk_norm_rope(x, w, pos, hq, hkv, *norms, cache, out=bufs)
+    assert got[0].data_ptr() == bufs[1].data_ptr() and got[1].data_ptr() == bufs[2].data_ptr()
+    assert (got[2].data_ptr() == bufs[0][:, (hq + hkv) * d:].data_ptr()) == (t > SMALL_M or not CUDA)
+    for g, r in zip(got, want):
+        assert torch.equal(g, r)
+    with pytest.raises(ValueError, match="q out must be contiguous"):
+        linear_qk_norm_rope(x, w, pos, hq, hkv, *norms, cache, out=(bufs[0], bufs[1][:, :1], bufs[2]))
+    if t <= SMALL_M:    # the fused kernel itself (interpreted on CPU)
+        bufs = (nan(t, (hq + 2 * hkv) * d), nan(t, hq, d), nan(t, hkv, d))
+        fresh = linear_qk_norm_rope_triton(x, w, pos, hq, hkv, *norms, cache)
+        got = linear_qk_norm_rope_triton(x, w, pos, hq, hkv, *norms, cache, out=bufs)
+        assert got[0].data_ptr() == bufs[1].data_ptr() and got[1].data_ptr() == bufs[2].data_ptr()
+        assert all(torch.equal(g, r) for g, r in zip(got, fresh))
+    wo, res = rand(48, hq * d, gen=gen, dtype=dtype).to(DEV), rand(t, 48, gen=gen, dtype=dtype).to(DEV)
+    a, dw = (p.to(DEV) for p in norm_params(48, True, gen))
+    q2 = got[0].reshape(t, -1)
+    want = linear_dyht_add(q2, wo, res, a, dw)
+    into = nan(t, 48)
+    assert all(torch.equal(g, r) for g, r in zip(linear_dyht_add(q2, wo, res, a, dw, out=into), want))
+    assert torch.equal(into, want[0])
+    if t <= SMALL_M:
+        into = nan(t, 48)
+        fresh = linear_dyht_add_triton(q2, wo, res, a, dw)
+        assert torch.equal(linear_dyht_add_triton(q2, wo, res, a, dw, out=into)[0], fresh[0])
+        assert torch.equal(into, fresh[0])
+    hidden, normed = linear_dyht_add(q2, wo, res, a, dw, out=res)    # the residual stream, in place
+    assert hidden.data_ptr() == res.data_ptr() and torch.equal(res, want[0]) and torch.equal(normed, want[1])
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        linear_dyht_add(q2, wo, res, a, dw, out=into[:, :40])
+
+
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_dispatch_takes_the_kernels_up_to_small_m():
     x, w = torch.randn(SMALL_M + 1, 64, device="cuda"), torch.randn(32, 64, device="cuda")

@@ -8,7 +8,11 @@ smallest bucket that holds it, running each layer's attention eagerly between tw
 35 layers of ~12 launches become 36 replays and 35 attention calls.
 
 Graphs communicate through static buffers (q, k, v, the attention output, the residual stream,
-the final hidden state); everything else a piece allocates comes from one memory pool that all
+the final hidden state), which the ops write in place: the QKV projection into `qkv` (v is a
+view of it), q and k normed and rotated into theirs, each layer's last op into the residual
+stream. Copies into them (four a layer, 7 % of a prefill workload's GPU time on the H200:
+benchmarks/RESULTS.md) remain only where an op writes elsewhere (the embedding, the fused
+decode-sized kernels' v). Everything else a piece allocates comes from one memory pool that all
 pieces share, captured and replayed in the same order. Padding rows (bucket past the step's
 tokens) compute garbage that nothing reads: attention and the KV write see only real tokens."""
 import functools
@@ -25,6 +29,12 @@ def token_ladder(max_num_tokens: int) -> list[int]:
     return sizes + [max_num_tokens]
 
 
+def _place(buf, x):
+    """x into the static buffer, unless the op already wrote it there."""
+    if x.data_ptr() != buf.data_ptr() or x.stride() != buf.stride():
+        buf.copy_(x)
+
+
 class PiecewiseGraphRunner:
     def __init__(self, runner, max_num_tokens: int):
         self.model = runner.model
@@ -33,9 +43,11 @@ class PiecewiseGraphRunner:
         t = self.sizes[-1]
         self.input_ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t, dtype=torch.long, device=dev)
+        nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.qkv = torch.zeros(t, nq + 2 * nkv, dtype=dt, device=dev)
         self.q = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dt, device=dev)
         self.k = torch.zeros(t, c.num_key_value_heads, c.head_dim, dtype=dt, device=dev)
-        self.v = torch.zeros_like(self.k)
+        self.v = self.qkv[:, nq + nkv:].view(t, c.num_key_value_heads, c.head_dim)
         self.attn_out = torch.zeros_like(self.q)
         self.residual = torch.zeros(t, c.hidden_size, dtype=dt, device=dev)
         self.hidden = torch.zeros_like(self.residual)
@@ -49,13 +61,14 @@ class PiecewiseGraphRunner:
             residual, n = m.embed(self.input_ids[:t])
         else:
             residual, n = m.layers[i - 1].after_attention(self.attn_out[:t], self.residual[:t],
-                                                          m.next_norms[i - 1])
+                                                          m.next_norms[i - 1], out=self.residual[:t])
         if i == len(m.layers):
             self.hidden[:t].copy_(n)
             return
-        q, k, v = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache, write_kv=False)
+        q, k, v = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache, write_kv=False,
+                                               out=(self.qkv[:t], self.q[:t], self.k[:t]))
         for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
-            buf[:t].copy_(x)
+            _place(buf[:t], x)
 
     @torch.inference_mode()
     def capture(self):

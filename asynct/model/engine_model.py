@@ -76,24 +76,26 @@ class DecoderLayer(nn.Module):
         q, k, v = self.attention_inputs(positions, n, cos_sin, attn_sums=sums)
         return self.after_attention(self.attn(q, k, v, sums), residual, next_norm)
 
-    def attention_inputs(self, positions, n, cos_sin, write_kv=True, attn_sums=None):
+    def attention_inputs(self, positions, n, cos_sin, write_kv=True, attn_sums=None, out=None):
         """q, k, v of the tokens, normed and rotated: everything of the layer before attention.
         With write_kv, k and v may come back None: stored in the cache already. A captured
-        piece of a piecewise graph must not store (its step's slots are not static).
-        `attn_sums` comes back zeroed (Attention.attn_sums)."""
+        piece of a piecewise graph must not store (its step's slots are not static); it hands
+        its static buffers as `out` (ops.linear_qk_norm_rope's). `attn_sums` comes back zeroed
+        (Attention.attn_sums)."""
         qn, kn = self.q_norm, self.k_norm
         target = self.attn.cache_target() if write_kv else {}
         return ops.linear_qk_norm_rope(n, self.qkv_proj.weight, positions, self.num_heads,
                                        self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin,
-                                       attn_sums=attn_sums, **target)
+                                       attn_sums=attn_sums, out=out, **target)
 
-    def after_attention(self, attn_out, residual, next_norm):
-        """Everything of the layer after attention, through the next layer's input norm."""
+    def after_attention(self, attn_out, residual, next_norm, out=None):
+        """Everything of the layer after attention, through the next layer's input norm; the
+        next residual goes into `out` where given (it may be `residual` itself)."""
         post, pre = self.post_attention_layernorm, self.pre_feedforward_layernorm
         h, m = ops.linear_dyht_add(attn_out.view(attn_out.shape[0], -1), self.o_proj.weight, residual,
                                    pre.alpha, pre.weight, post.alpha, post.weight)
         mlp = ops.linear_reglu(m, self.gate_up_proj.weight)
-        return ops.linear_dyht_add(mlp, self.down_proj.weight, h, next_norm.alpha, next_norm.weight)
+        return ops.linear_dyht_add(mlp, self.down_proj.weight, h, next_norm.alpha, next_norm.weight, out=out)
 
 
 class AsyncTEngineModel(nn.Module):

@@ -7,14 +7,28 @@ import torch
 from asynct.ops._triton import jit as _jit, tl, triton
 
 
+def output_buffer(out, shape, dtype, device, name="out"):
+    """`out` where the caller gave one (a static buffer of a piecewise graph: written in place,
+    no copy after), checked; else a fresh tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != torch.device(device) \
+            or not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous {tuple(shape)} {dtype} on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def dyht_ref(x, alpha, weight):
     y = weight.float() * (alpha.float() * x.float()).clamp(-1.0, 1.0)
     return y.to(x.dtype).contiguous()
 
 
-def dyht_add_ref(y, residual, alpha, weight, post_alpha=None, post_weight=None):
+def dyht_add_ref(y, residual, alpha, weight, post_alpha=None, post_weight=None, out=None):
     h = y.float() if post_alpha is None else dyht_ref(y.float(), post_alpha, post_weight)
     hidden = (h if residual is None else h + residual.float()).to(y.dtype)
+    if out is not None:
+        hidden = output_buffer(out, y.shape, y.dtype, y.device, "out").copy_(hidden)
     return hidden, dyht_ref(hidden, alpha, weight)
 
 
@@ -99,7 +113,7 @@ def _dyht_add_kernel(y_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, w_ptr, pa_ptr, pw_
     tl.store(out_ptr + offs, n.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def dyht_add_triton(y, residual, alpha, weight, post_alpha=None, post_weight=None):
+def dyht_add_triton(y, residual, alpha, weight, post_alpha=None, post_weight=None, out=None):
     if y.dim() != 2 or not y.is_contiguous():
         raise ValueError(f"dyht_add needs a contiguous [T, C] input, got {tuple(y.shape)}")
     if residual is not None and (residual.shape != y.shape or not residual.is_contiguous()):
@@ -107,7 +121,7 @@ def dyht_add_triton(y, residual, alpha, weight, post_alpha=None, post_weight=Non
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
     t, c = y.shape
-    hidden, normed = torch.empty_like(y), torch.empty_like(y)
+    hidden, normed = output_buffer(out, y.shape, y.dtype, y.device), torch.empty_like(y)
     if y.numel() == 0:
         return hidden, normed
     has_post = post_alpha is not None
@@ -131,6 +145,8 @@ def dyht(x, alpha, weight):
     return dyht_triton(x, alpha, weight) if _use_triton(x) else dyht_ref(x, alpha, weight)
 
 
-def dyht_add(y, residual, alpha, weight, post_alpha=None, post_weight=None):
+def dyht_add(y, residual, alpha, weight, post_alpha=None, post_weight=None, out=None):
+    """(hidden, DyHT(hidden)): hidden = [post DyHT of] y + residual, written into `out` where given
+    (contiguous, y's shape; it may be the residual itself: each element is read before it is written)."""
     fn = dyht_add_triton if _use_triton(y) else dyht_add_ref
-    return fn(y, residual, alpha, weight, post_alpha, post_weight)
+    return fn(y, residual, alpha, weight, post_alpha, post_weight, out)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from asynct.ops._triton import pdl_args, triton
 from asynct.ops.asynci_common import scale_args, sm_count
-from asynct.ops.dyht import _param_stride, dyht_add
+from asynct.ops.dyht import _param_stride, dyht_add, output_buffer
 from asynct.ops.fused_linear_checks import (SMALL_M, cache_problem, check, head_dim_problem,  # noqa: F401
                                             operands_problem, residual_problem, sums_problem)
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
@@ -52,25 +52,32 @@ GEMV_EARLY_ELEMENTS = 8192
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
-                                k_alpha, k_weight, cos_sin_cache):
-    qkv = F.linear(x, weight)
+                                k_alpha, k_weight, cos_sin_cache, out=None):
+    """`out` (qkv [T, rows], q, k buffers): the projection, q and k go there (v is a view of qkv)."""
+    qkv = F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=_qkv_buffer(out[0], x, weight))
     t, d = x.shape[0], cos_sin_cache.shape[-1]
     nq, nk = num_heads * d, num_kv_heads * d
     q, k = qkv[:, :nq].view(t, num_heads, d), qkv[:, nq:nq + nk].view(t, num_kv_heads, d)
-    q, k = qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)
+    q, k = qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache,
+                        None if out is None else out[1:])
     return q, k, qkv[:, nq + nk:].view(t, num_kv_heads, d)
+
+
+def _qkv_buffer(buf, x, weight):
+    return output_buffer(buf, (x.shape[0], weight.shape[0]), x.dtype, x.device, "qkv out")
 
 
 def linear_reglu_unfused(x, weight):
     return reglu(F.linear(x, weight))
 
 
-def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None,
+                            out=None):
     if x.dtype != weight.dtype:     # fp32 sums beside 16-bit weights: the product rounded as the kernel's
         y = F.linear(x.float(), weight.float()).to(weight.dtype)
     else:
         y = F.linear(x, weight)
-    return dyht_add(y, residual, alpha, dyht_weight, post_alpha, post_weight)
+    return dyht_add(y, residual, alpha, dyht_weight, post_alpha, post_weight, out)
 
 
 def row_tile(m: int) -> int:
@@ -132,7 +139,8 @@ def _plan(x, k, op):
 
 def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
                                k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
-                               k_scale=None, v_scale=None, attn_sums=None):
+                               k_scale=None, v_scale=None, attn_sums=None, out=None):
+    """`out` (qkv, q, k buffers, as the unfused op's): q and, unless the cache takes it, k go there."""
     d = cos_sin_cache.shape[-1]
     check(operands_problem(x, weight), head_dim_problem(d, 2 * HALF_TILE))
     if weight.shape[0] != (num_heads + 2 * num_kv_heads) * d:
@@ -142,7 +150,7 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     if positions.shape != (t,) or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous():
         raise ValueError(f"positions must be ({t},) and cos_sin_cache contiguous fp32, got "
                          f"{tuple(positions.shape)} and {cos_sin_cache.dtype}")
-    q = torch.empty(t, num_heads, d, dtype=x.dtype, device=x.device)
+    q = output_buffer(out and out[1], (t, num_heads, d), x.dtype, x.device, "q out")
     strides = [_param_stride(p, d, n) for p, n in ((q_alpha, "q_alpha"), (q_weight, "q_weight"),
                                                     (k_alpha, "k_alpha"), (k_weight, "k_weight"))]
     write = kv_cache is not None
@@ -155,8 +163,8 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         cache = (kv_cache[0], kv_cache[1], slot_mapping, ks, vs, *kv_cache[0].stride()[:3])
         bs = kv_cache.shape[2]
     else:
-        k_out, v = outs = tuple(torch.empty(t, num_kv_heads, d, dtype=x.dtype, device=x.device)
-                                for _ in range(2))
+        k_out, v = outs = tuple(output_buffer(buf, (t, num_kv_heads, d), x.dtype, x.device, "k out")
+                                for buf in (out and out[2], None))
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
     check(sums_problem(attn_sums, q))
     zero = attn_sums is not None
@@ -183,12 +191,13 @@ def linear_reglu_triton(x, weight):
     return out
 
 
-def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None, out=None):
     check(operands_problem(x, weight, _gemv_takes_fp32(x, weight)), residual_problem(residual, x, weight))
     (t, k), n = x.shape, weight.shape[0]
     if (post_alpha is None) != (post_weight is None):
         raise ValueError("post_alpha and post_weight go together")
-    hidden, normed = torch.empty_like(residual), torch.empty_like(residual)
+    hidden = output_buffer(out, residual.shape, residual.dtype, residual.device)
+    normed = torch.empty_like(residual)
     has_post = post_alpha is not None
     pa, pw = (post_alpha, post_weight) if has_post else (alpha, dyht_weight)
     strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
@@ -216,7 +225,7 @@ def _fast(x, weight, fp32_x=False) -> bool:
 
 def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha,
                         k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None, k_scale=None,
-                        v_scale=None, attn_sums=None):
+                        v_scale=None, attn_sums=None, out=None):
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
     rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, the
     fused kernel stores k and v there itself (one kernel fewer a layer) and returns (q, None,
@@ -225,17 +234,20 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     call (host-written step inputs are not): with programmatic dependent launch the fused kernel
     reads them, and their cos/sin, while that kernel still runs.
     `attn_sums` (fp32, q's shape) comes back zeroed, for a decode that adds into it: the fused
-    kernel zeroes it after its wait for the kernel before, with no launch of its own."""
+    kernel zeroes it after its wait for the kernel before, with no launch of its own.
+    `out` (qkv [T, rows], q, k: contiguous buffers, a piecewise graph's static ones) is where the
+    results go where the path can put them (the unfused path's v is a view of qkv; the fused
+    kernel's v is its own): a caller that needs them there copies only what is elsewhere."""
     args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
             cos_sin_cache)
     d = cos_sin_cache.shape[-1]
     if not (_fast(x, weight) and head_dim_problem(d, 2 * HALF_TILE) is None):
         if attn_sums is not None:
             attn_sums.zero_()
-        return linear_qk_norm_rope_unfused(*args)
+        return linear_qk_norm_rope_unfused(*args, out=out)
     if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
-        return linear_qk_norm_rope_triton(*args, attn_sums=attn_sums)
-    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale, attn_sums)
+        return linear_qk_norm_rope_triton(*args, attn_sums=attn_sums, out=out)
+    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale, attn_sums, out)
 
 
 def linear_reglu(x, weight):
@@ -244,10 +256,10 @@ def linear_reglu(x, weight):
     return fn(x, weight)
 
 
-def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None):
+def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None, out=None):
     """dyht_add(x @ weight.T, residual, ...): (hidden, its DyHT), as ops.dyht_add returns them.
     x may be fp32 beside 16-bit weights (the decode's sums): the product is rounded to the weights'
-    dtype."""
+    dtype. The hidden goes into `out` where given (contiguous, residual's shape)."""
     fast = _fast(x, weight, _gemv_takes_fp32(x, weight)) and residual_problem(residual, x, weight) is None
     fn = linear_dyht_add_triton if fast else linear_dyht_add_unfused
-    return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight)
+    return fn(x, weight, residual, alpha, dyht_weight, post_alpha, post_weight, out)

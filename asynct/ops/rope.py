@@ -5,6 +5,7 @@ DyHT per head vector and rotates in fp32: one read and one write per element."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pow2, tl, triton
+from asynct.ops.dyht import output_buffer
 
 
 def rope_cos_sin_cache(head_dim, max_positions, theta=10000.0, device=None):
@@ -90,7 +91,7 @@ def _pstride(p, d, name):
     return 0 if p.numel() == 1 else 1
 
 
-def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2):
+def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2, out=(None, None)):
     _check(q, "q")
     _check(k, "k")
     t, hq, d = q.shape
@@ -98,8 +99,8 @@ def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2):
         raise ValueError("q, k and positions must agree on T and head_dim")
     if cos_sin_cache.shape[-1] != d or cos_sin_cache.dtype != torch.float32:
         raise ValueError("cos_sin_cache must be fp32 [max_positions, head_dim]")
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    qo = output_buffer(out[0], q.shape, q.dtype, q.device, "q out")
+    ko = output_buffer(out[1], k.shape, k.dtype, k.device, "k out")
     if t == 0:
         return qo, ko
     qa, qw, ka, kw = [p.float().contiguous() for p in params]
@@ -115,8 +116,9 @@ def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2):
     return qo, ko
 
 
-def qk_norm_rope_triton(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache):
-    return _launch(q, k, positions, cos_sin_cache, (q_alpha, q_weight, k_alpha, k_weight), True)
+def qk_norm_rope_triton(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache, out=None):
+    return _launch(q, k, positions, cos_sin_cache, (q_alpha, q_weight, k_alpha, k_weight), True,
+                   out=out or (None, None))
 
 
 def rope_triton(x, positions, cos_sin_cache):
@@ -136,6 +138,13 @@ def rope(x, positions, cos_sin_cache):
     return fn(x, positions, cos_sin_cache)
 
 
-def qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache):
-    fn = qk_norm_rope_triton if _use_triton(q) else qk_norm_rope_ref
-    return fn(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)
+def qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache, out=None):
+    """(q, k) DyHT-normed per head and rotated, into `out` = (q buffer, k buffer) where given
+    (contiguous, q's and k's shapes: a piecewise graph's static buffers)."""
+    if _use_triton(q):
+        return qk_norm_rope_triton(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache, out)
+    qo, ko = qk_norm_rope_ref(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)
+    if out is None:
+        return qo, ko
+    return (output_buffer(out[0], q.shape, q.dtype, q.device, "q out").copy_(qo),
+            output_buffer(out[1], k.shape, k.dtype, k.device, "k out").copy_(ko))
