@@ -106,6 +106,16 @@ def test_generate_takes_tuples_of_prompts_and_params_as_lists(llm):
         assert [o.outputs[0].token_ids for o in outs] == want
 
 
+def test_prompt_token_ids_must_be_exact_integers(llm):
+    """A bool, a float or a NumPy integer among the ids fails its request by name; the others run."""
+    import numpy as np
+    bad = [[1, True, 3], [1, 2.0, 3], [1, np.int64(2), 3]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in [*bad, [1, 2, 3]]], SamplingParams(max_tokens=1),
+                        use_tqdm=False)
+    assert all("prompt token ids must be integers" in o.error for o in outs[:3])
+    assert outs[3].error is None and len(outs[3].outputs[0].token_ids) == 1
+
+
 def test_chat_renders_with_the_template_and_generates(llm):
     tok = llm.get_tokenizer()
     greedy = SamplingParams(temperature=0, max_tokens=8)
