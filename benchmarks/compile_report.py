@@ -133,7 +133,7 @@ def _linear(kernel, args, consts, plan):
                         opts.get("maxnreg"))
 
 
-def linear_reports(batches=(1, 2, 3, 4, 8, 16, 32)):
+def linear_reports(batches=(1, 2, 3, 4, 8, 16, 32, 64)):
     """bench-0.6b's four fused linears at each batch, with their grids: a grid past one wave
     (programs > SMs x programs an SM) starts its last programs' weight loads only as the first
     ones finish."""

@@ -17,8 +17,8 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    while the kernel before runs, one whose linears take dot tiles at every row count (no
    GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose decode
    kernel keeps the compiler's register counts (no caps: try --batches 128), one whose small
-   decode steps write split partials and sum them (no fp32 sums), and one without fused
-   linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
+   decode steps write split partials and sum them (no fp32 sums), one whose fused linears stop
+   at 32 rows (try --batches 40,48,64), and one without fused linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -256,9 +256,22 @@ def no_decode_sums():
         triton_backend.DECODE_SUMS_MAX_ROWS = real
 
 
+@contextlib.contextmanager
+def fused_to_32():
+    """The fused linears up to 32 rows, cuBLAS and the unfused elementwise kernels past them (the
+    engine before its 64-row tiles, 2026-12-04): the same-run peer of decode steps of 33-64."""
+    from asynct.ops import fused_linear_checks
+    real = fused_linear_checks.SMALL_M
+    fused_linear_checks.SMALL_M = 32
+    try:
+        yield
+    finally:
+        fused_linear_checks.SMALL_M = real
+
+
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
-         "no decode caps": no_decode_caps, "no decode sums": no_decode_sums,
+         "no decode caps": no_decode_caps, "no decode sums": no_decode_sums, "fused to 32": fused_to_32,
          "fused": contextlib.nullcontext}
 
 

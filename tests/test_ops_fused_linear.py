@@ -33,7 +33,8 @@ def norm_params(n, per_channel, gen):
 
 
 # (rows, K, N); K of 1,024 takes 512-wide K tiles at up to 16 rows
-CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32), (23, 96, 40), (32, 1024, 16)]
+CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32), (23, 96, 40), (32, 1024, 16),
+         (33, 100, 24), (64, 96, 17)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -56,7 +57,8 @@ def test_linear_dyht_add(t, k, n, post, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12), (29, 64, 10)])
+@pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12), (29, 64, 10),
+                                   (47, 64, 9)])
 def test_linear_reglu(t, k, i, dtype):
     gen = torch.Generator().manual_seed(t + i)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand(2 * i, k, gen=gen, dtype=dtype, scale=0.2)
@@ -69,7 +71,8 @@ def test_linear_reglu(t, k, i, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t,hq,hkv,d,k,per_channel", [(1, 4, 2, 32, 96, True), (9, 3, 1, 16, 96, False),
                                                        (16, 2, 2, 64, 96, True), (2, 1, 1, 16, 1024, True),
-                                                       (3, 2, 1, 128, 64, True), (20, 3, 1, 32, 96, False)])
+                                                       (3, 2, 1, 128, 64, True), (20, 3, 1, 32, 96, False),
+                                                       (64, 2, 1, 16, 96, True)])
 def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     gen = torch.Generator().manual_seed(t * hq + d)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype, scale=0.3)
@@ -174,7 +177,7 @@ def test_o_proj_takes_fp32_sums_beside_16_bit_weights(t, k, post):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("t", [1, 3, 16, 17, 32])
+@pytest.mark.parametrize("t", [1, 3, 16, 17, 32, 33, 64])
 def test_bench_shapes_deterministic(t):
     """bench-0.6b's four projections: equal to the unfused ops, and bit-identical from call to
     call (the async-vs-sync and graph-vs-eager equality tests rely on it)."""
@@ -340,13 +343,14 @@ def test_dispatch_takes_the_kernels_up_to_small_m():
 
 
 def test_launch_plan_row_tiles_and_shared_memory():
-    """16-row activation tiles up to 16 rows, 32 past; 512-wide K tiles only with 16-row ones;
-    stages kept within 128 KiB of shared memory (fp32 at 32 rows: 2)."""
+    """16-row activation tiles up to 16 rows, 32 up to 32, 64 past; 512-wide K tiles only with
+    16-row ones; stages kept within 128 KiB of shared memory (fp32 at 32 rows: 2, at 64: 1)."""
     from asynct.ops.fused_linear import _tiles, row_tile
-    assert [row_tile(m) for m in (1, 16, 17, 32)] == [16, 16, 32, 32]
+    assert [row_tile(m) for m in (1, 16, 17, 32, 33, SMALL_M)] == [16, 16, 32, 32, 64, 64]
     for rows, dtype, tiles, want in [(16, torch.bfloat16, 64, (16, 512, 3)), (17, torch.bfloat16, 64, (32, 256, 4)),
                                      (32, torch.float32, 64, (32, 256, 2)), (16, torch.float32, 64, (16, 256, 4)),
-                                     (32, torch.bfloat16, 384, (32, 256, 4))]:
+                                     (32, torch.bfloat16, 384, (32, 256, 4)), (33, torch.bfloat16, 64, (64, 256, 3)),
+                                     (64, torch.float32, 384, (64, 256, 1))]:
         plan = _tiles(torch.zeros(rows, 1024, dtype=dtype), 1024, tiles)
         assert (plan["BLOCK_M"], plan["BLOCK_K"], plan["num_stages"]) == want, (rows, dtype, tiles)
         smem = plan["num_stages"] * (plan["BLOCK_M"] + 16) * plan["BLOCK_K"] * dtype.itemsize

@@ -13,6 +13,7 @@ from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampling_profile import sample_dummy_rows
 from asynct.ops.argmax import warmup_argmax
+from asynct.ops.fused_linear import ROW_TILES
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -25,11 +26,11 @@ WARMUP_TOKENS = ops.SMALL_M + 1
 def warmup_token_counts() -> tuple[list[int], list[int]]:
     """(the warm-up's forwards, its QKV calls without the KV store), in tokens: every count the
     fused linears' CUDA-core path may take (1 to GEMV_MAX_ROWS: each has its warps), the first
-    past it and SMALL_M (every op's dot tiles at both row tiles; an op the GEMV serves at fewer
-    rows reaches its 16-row tiles at that first count too), one past SMALL_M (the unfused ops,
-    the KV write)."""
+    past it and each larger row tile's size (every op's dot tiles at every row tile; an op the
+    GEMV serves at fewer rows reaches its 16-row tiles at that first count too), one past
+    SMALL_M (the unfused ops, the KV write)."""
     first_dot = ops.GEMV_MAX_ROWS + 1
-    gemv_and_dots = [*range(1, first_dot + 1), ops.SMALL_M]
+    gemv_and_dots = [*range(1, first_dot + 1), *(t for t in ROW_TILES if t > first_dot)]
     return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
 
 

@@ -80,11 +80,17 @@ def linear_dyht_add_unfused(x, weight, residual, alpha, dyht_weight, post_alpha=
     return dyht_add(y, residual, alpha, dyht_weight, post_alpha, post_weight, out)
 
 
+ROW_TILES = (16, 32, 64)
+
+
 def row_tile(m: int) -> int:
-    """Activation rows a program's tile holds (BLOCK_M): 16 (the smallest tl.dot operand) up to
-    16 rows, else 32. Each program reads the whole activation tile beside its weight rows, so
-    a tile past the batch costs L2 traffic and shared memory at every program."""
-    return 16 if m <= 16 else 32
+    """Activation rows a program's tile holds (BLOCK_M): the smallest of ROW_TILES that holds m
+    (16: the smallest tl.dot operand). Each program reads the whole activation tile beside its
+    weight rows, so a tile past the batch costs L2 traffic and shared memory at every program.
+    The 64-row tile (33-64 rows) made decode steps of 40-64 sequences 1.13x faster than cuBLAS
+    and the unfused elementwise kernels; a 128-wide K tile for it (80 KB of shared memory a
+    program, not 120) 1.02-1.06x slower than 256 (H200, bench-0.6b, benchmarks/RESULTS.md)."""
+    return next(t for t in ROW_TILES if m <= t)
 
 
 def _tiles(x, k, tiles):

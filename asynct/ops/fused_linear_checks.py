@@ -4,7 +4,7 @@ import torch
 
 from asynct.ops._triton import pow2
 
-SMALL_M = 32    # rows a fused linear takes at most (decode-sized steps)
+SMALL_M = 64    # rows a fused linear takes at most (decode-sized steps; fused_linear.ROW_TILES' largest)
 
 
 def operands_problem(x, weight, fp32_x=False):

@@ -1,5 +1,5 @@
-"""The Triton kernels of fused_linear.py: decode-sized linears (at most 32 rows) with their
-elementwise epilogue. A program streams 16 weight rows (a 16-row dot with a tile of 16 or 32
+"""The Triton kernels of fused_linear.py: decode-sized linears (at most 64 rows) with their
+elementwise epilogue. A program streams 16 weight rows (a 16-row dot with a tile of 16, 32 or 64
 activation rows), or, for one to four activation rows (GEMV), 2-8 weight rows multiplied on the
 CUDA cores; RoPE and ReGLU pair rows that are far apart (d and d + head_dim/2, gate j and up j),
 so their programs load the two halves as one tile and split the accumulator. The accumulator
