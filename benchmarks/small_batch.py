@@ -25,6 +25,7 @@ import gc
 import importlib
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 from kernel_bench import bench, copy_bandwidth, n_sets
@@ -35,7 +36,7 @@ from asynct.attention import triton_backend
 from asynct.engine import cuda_graph
 from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
-from asynct.ops import _triton, fused_linear as fl
+from asynct.ops import _triton, fused_linear as fl, fused_linear_checks
 from asynct.ops.rope import rope_cos_sin_cache
 
 dec = importlib.import_module("asynct.ops.asynci_decode")   # the module: ops re-exports a function of its name
@@ -43,73 +44,40 @@ C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
 BF = torch.bfloat16
 
 
-@contextlib.contextmanager
+# Each engine mode of the step table is a patch of the module value it changes (mock.patch)
 def unfused():
-    fast = fl._fast
-    fl._fast = lambda *a: False
-    try:
-        yield
-    finally:
-        fl._fast = fast
+    """cuBLAS and the unfused elementwise kernels at every row count."""
+    return mock.patch.object(fl, "_fast", lambda *a: False)
 
 
-@contextlib.contextmanager
 def no_pdl():
     """Every kernel launched plainly: the same-run peer of programmatic dependent launch."""
-    _triton.PDL = False
-    try:
-        yield
-    finally:
-        _triton.PDL = True
+    return mock.patch.object(_triton, "PDL", False)
 
 
-@contextlib.contextmanager
 def no_kv_fold():
     """The attention backend stores each step's k/v (a kernel of its own), not the QKV kernel."""
-    target = engine_model.Attention.cache_target
-    engine_model.Attention.cache_target = lambda self: {}
-    try:
-        yield
-    finally:
-        engine_model.Attention.cache_target = target
+    return mock.patch.object(engine_model.Attention, "cache_target", lambda self: {})
 
 
-@contextlib.contextmanager
 def no_prefetch():
     """Fused linears without the L2 prefetch of their weights before the PDL wait."""
-    fl.L2_PREFETCH = False
-    try:
-        yield
-    finally:
-        fl.L2_PREFETCH = True
+    return mock.patch.object(fl, "L2_PREFETCH", False)
 
 
-@contextlib.contextmanager
 def no_decode_caps():
     """The decode kernel at the compiler's register counts (asynci_decode.MAX_REGISTERS off)."""
-    orig = dict(dec.MAX_REGISTERS)
-    dec.MAX_REGISTERS.update(dict.fromkeys(orig))
-    try:
-        yield
-    finally:
-        dec.MAX_REGISTERS.update(orig)
+    return mock.patch.dict(dec.MAX_REGISTERS, dict.fromkeys(dec.MAX_REGISTERS))
 
 
-@contextlib.contextmanager
 def no_gemv():
     """The fused linears' 16-row dot tiles at every row count: the CUDA-core path's same-run peer."""
-    orig = fl.GEMV
-    fl.GEMV = {op: (rows, block_k, ()) for op, (rows, block_k, *_) in orig.items()}
-    try:
-        yield
-    finally:
-        fl.GEMV = orig
+    return mock.patch.object(fl, "GEMV", {op: (rows, block_k, ()) for op, (rows, block_k, *_) in fl.GEMV.items()})
 
 
-@contextlib.contextmanager
 def tiles(half_tile=None, **changes):
     """Overrides of the fused kernels' launch options and rows per tile (the sweep's configs)."""
-    orig, orig_half = fl._tiles, fl.HALF_TILE
+    orig = fl._tiles
 
     def patched(x, k, n):
         t = orig(x, k, n)
@@ -117,22 +85,30 @@ def tiles(half_tile=None, **changes):
         t["EVEN_K"] = k % t["BLOCK_K"] == 0
         t["LINES"] = t["LINES"] and max(1, t["BLOCK_K"] * x.element_size() // 128)
         return t
-    fl._tiles, fl.HALF_TILE = patched, half_tile or orig_half
-    try:
-        yield
-    finally:
-        fl._tiles, fl.HALF_TILE = orig, orig_half
+    return mock.patch.multiple(fl, _tiles=patched, HALF_TILE=half_tile or fl.HALF_TILE)
 
 
-@contextlib.contextmanager
 def gemv(op, rows, block_k, warps):
     """The CUDA-core path of `op` (a fused_linear.GEMV key) with this config up to its row limit."""
-    orig = fl.GEMV
-    fl.GEMV = {**orig, op: ((rows,) * fl.GEMV_MAX_ROWS, block_k, (warps,) * fl.GEMV_MAX_ROWS)}
-    try:
-        yield
-    finally:
-        fl.GEMV = orig
+    config = ((rows,) * fl.GEMV_MAX_ROWS, block_k, (warps,) * fl.GEMV_MAX_ROWS)
+    return mock.patch.object(fl, "GEMV", {**fl.GEMV, op: config})
+
+
+def hidden_state_graphs():
+    """Decode graphs that leave the hidden states: the LM head and argmax eager, as before 2026-12-02."""
+    return mock.patch.object(cuda_graph, "SAMPLING_MAX_BS", 0)
+
+
+def no_decode_sums():
+    """Small decode steps' attention as split partials + a sum kernel, o_proj reading bf16 (before
+    2026-12-04): the same-run peer of the fp32 sums (DECODE_SUMS_MAX_ROWS)."""
+    return mock.patch.object(triton_backend, "DECODE_SUMS_MAX_ROWS", 0)
+
+
+def fused_to_32():
+    """The fused linears up to 32 rows, cuBLAS and the unfused elementwise kernels past them (the
+    engine before its 64-row tiles, 2026-12-04): the same-run peer of decode steps of 33-64."""
+    return mock.patch.object(fused_linear_checks, "SMALL_M", 32)
 
 
 # (weight rows a program, K tile, warps) of the CUDA-core path, swept at 1 to fl.GEMV_MAX_ROWS rows
@@ -231,42 +207,6 @@ def engine_steps(model, mode, batches, context):
     gc.collect()
     torch.cuda.empty_cache()
     return out, weights, kv_per_token
-
-
-@contextlib.contextmanager
-def hidden_state_graphs():
-    """Decode graphs that leave the hidden states: the LM head and argmax eager, as before 2026-12-02."""
-    real = cuda_graph.SAMPLING_MAX_BS
-    cuda_graph.SAMPLING_MAX_BS = 0
-    try:
-        yield
-    finally:
-        cuda_graph.SAMPLING_MAX_BS = real
-
-
-@contextlib.contextmanager
-def no_decode_sums():
-    """Small decode steps' attention as split partials + a sum kernel, o_proj reading bf16 (before
-    2026-12-04): the same-run peer of the fp32 sums (DECODE_SUMS_MAX_ROWS)."""
-    real = triton_backend.DECODE_SUMS_MAX_ROWS
-    triton_backend.DECODE_SUMS_MAX_ROWS = 0
-    try:
-        yield
-    finally:
-        triton_backend.DECODE_SUMS_MAX_ROWS = real
-
-
-@contextlib.contextmanager
-def fused_to_32():
-    """The fused linears up to 32 rows, cuBLAS and the unfused elementwise kernels past them (the
-    engine before its 64-row tiles, 2026-12-04): the same-run peer of decode steps of 33-64."""
-    from asynct.ops import fused_linear_checks
-    real = fused_linear_checks.SMALL_M
-    fused_linear_checks.SMALL_M = 32
-    try:
-        yield
-    finally:
-        fused_linear_checks.SMALL_M = real
 
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
