@@ -2,7 +2,7 @@
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
 #   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
-#           bench engine profile profile-gsm8k
+#           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
 set -uo pipefail
@@ -72,6 +72,8 @@ for s in $stages; do
     engine) timeout 200 python3 -m asynct.entrypoints.cli bench --model $M --json-out $OUT/engine.json 2>&1 \
              | grep -v "^{" | tee $OUT/engine.log ;;
     profile) timeout 150 python3 benchmarks/profile_decode.py --model $M 2>&1 | tee $OUT/profile.log ;;
+    prefill-profile) # an evaluation's scoring pass: kernels by name, the GPU's idle gaps
+             timeout 150 python3 benchmarks/prefill_profile.py $M 2>&1 | grep -v "^{" | tee $OUT/prefill_profile.log ;;
     profile-gsm8k) # the gsm8k-shaped decode step: ~220 sequences of ~930 keys, 700 of them shared
              timeout 150 python3 benchmarks/profile_decode.py --model $M --batch 224 --context 928 \
                --shared-prefix 700 --steps 30 2>&1 | tee $OUT/profile_gsm8k.log ;;
