@@ -13,7 +13,6 @@ from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampling_profile import sample_dummy_rows
 from asynct.ops.argmax import warmup_argmax
-from asynct.ops.fused_linear import ROW_TILES
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -30,7 +29,7 @@ def warmup_token_counts() -> tuple[list[int], list[int]]:
     GEMV serves at fewer rows reaches its 16-row tiles at that first count too), one past
     SMALL_M (the unfused ops, the KV write)."""
     first_dot = ops.GEMV_MAX_ROWS + 1
-    gemv_and_dots = [*range(1, first_dot + 1), *(t for t in ROW_TILES if t > first_dot)]
+    gemv_and_dots = [*range(1, first_dot + 1), *(t for t in ops.ROW_TILES if t > first_dot)]
     return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
 
 

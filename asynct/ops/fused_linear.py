@@ -169,8 +169,9 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
         cache = (kv_cache[0], kv_cache[1], slot_mapping, ks, vs, *kv_cache[0].stride()[:3])
         bs = kv_cache.shape[2]
     else:
-        k_out, v = outs = tuple(output_buffer(buf, (t, num_kv_heads, d), x.dtype, x.device, "k out")
-                                for buf in (out and out[2], None))
+        k_out = output_buffer(out and out[2], (t, num_kv_heads, d), x.dtype, x.device, "k out")
+        v = torch.empty_like(k_out)
+        outs = (k_out, v)
         cache, bs, fp8 = (q, q, positions, q_alpha, q_alpha, 0, 0, 0), 1, False   # stand-ins, never read
     check(sums_problem(attn_sums, q))
     zero = attn_sums is not None
