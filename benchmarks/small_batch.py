@@ -17,9 +17,8 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    while the kernel before runs, one whose linears take dot tiles at every row count (no
    GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose decode
    kernel keeps the compiler's register counts (no caps: try --batches 128), one whose small
-   decode steps write split partials and sum them (no fp32 sums), ones whose fused linears stop
-   at 32 rows (try --batches 40,48,64) or 64 (try --batches 96,128,256), and one without fused
-   linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
+   decode steps write split partials and sum them (no fp32 sums), one whose fused linears stop
+   at 32 rows (try --batches 40,48,64), and one without fused linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -106,11 +105,10 @@ def no_decode_sums():
     return mock.patch.object(triton_backend, "DECODE_SUMS_MAX_ROWS", 0)
 
 
-def fused_to(rows):
-    """The fused linears up to `rows` rows, cuBLAS and the unfused elementwise kernels past them:
-    32, the engine before its 64-row tiles; 64, before their second grid axis (both 2026-12-04):
-    the same-run peers of decode steps of 33-64 and of 65-256 sequences."""
-    return lambda: mock.patch.object(fused_linear_checks, "SMALL_M", rows)
+def fused_to_32():
+    """The fused linears up to 32 rows, cuBLAS and the unfused elementwise kernels past them (the
+    engine before its 64-row tiles, 2026-12-04): the same-run peer of decode steps of 33-64."""
+    return mock.patch.object(fused_linear_checks, "SMALL_M", 32)
 
 
 # (weight rows a program, K tile, warps) of the CUDA-core path, swept at 1 to fl.GEMV_MAX_ROWS rows
@@ -213,8 +211,7 @@ def engine_steps(model, mode, batches, context):
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
-         "no decode caps": no_decode_caps, "no decode sums": no_decode_sums, "fused to 32": fused_to(32),
-         "fused to 64": fused_to(64),
+         "no decode caps": no_decode_caps, "no decode sums": no_decode_sums, "fused to 32": fused_to_32,
          "fused": contextlib.nullcontext}
 
 

@@ -34,7 +34,7 @@ def norm_params(n, per_channel, gen):
 
 # (rows, K, N); K of 1,024 takes 512-wide K tiles at up to 16 rows
 CASES = [(1, 96, 100), (5, 100, 48), (16, 64, 33), (3, 512, 48), (2, 1024, 32), (23, 96, 40), (32, 1024, 16),
-         (33, 100, 24), (64, 96, 17), (65, 96, 17), (150, 64, 20)]
+         (33, 100, 24), (64, 96, 17)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -58,7 +58,7 @@ def test_linear_dyht_add(t, k, n, post, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,k,i", [(1, 96, 52), (7, 130, 24), (16, 64, 3), (2, 1024, 12), (29, 64, 10),
-                                   (47, 64, 9), (129, 64, 9)])
+                                   (47, 64, 9)])
 def test_linear_reglu(t, k, i, dtype):
     gen = torch.Generator().manual_seed(t + i)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand(2 * i, k, gen=gen, dtype=dtype, scale=0.2)
@@ -72,7 +72,7 @@ def test_linear_reglu(t, k, i, dtype):
 @pytest.mark.parametrize("t,hq,hkv,d,k,per_channel", [(1, 4, 2, 32, 96, True), (9, 3, 1, 16, 96, False),
                                                        (16, 2, 2, 64, 96, True), (2, 1, 1, 16, 1024, True),
                                                        (3, 2, 1, 128, 64, True), (20, 3, 1, 32, 96, False),
-                                                       (64, 2, 1, 16, 96, True), (100, 2, 1, 16, 64, False)])
+                                                       (64, 2, 1, 16, 96, True)])
 def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
     gen = torch.Generator().manual_seed(t * hq + d)
     x, w = rand(t, k, gen=gen, dtype=dtype), rand((hq + 2 * hkv) * d, k, gen=gen, dtype=dtype, scale=0.3)
@@ -89,8 +89,7 @@ def test_linear_qk_norm_rope(t, hq, hkv, d, k, per_channel, dtype):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("t,hq,hkv,d,bs", [(1, 4, 2, 32, 16), (3, 4, 2, 32, 16), (4, 4, 2, 32, 16),
-                                          (5, 3, 1, 16, 4), (16, 2, 2, 64, 16), (24, 2, 1, 32, 16),
-                                          (70, 2, 1, 16, 16)])
+                                          (5, 3, 1, 16, 4), (16, 2, 2, 64, 16), (24, 2, 1, 32, 16)])
 def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     """Given the cache and slots, the fused QKV kernel stores k and v itself, as the unfused
     path + the cache write would (padding slots -1 store nothing; FP8 scales per channel)."""
@@ -102,7 +101,7 @@ def test_qkv_stores_keys_and_values_in_the_cache(t, hq, hkv, d, bs, fp8):
     slots = torch.randperm(8 * bs, generator=gen)[:t]
     slots[t // 2] = -1 if t > 1 else slots[0]
     if t > 16:
-        slots[t - 2] = -1       # padding in the 32-row tile's second half (past 64: the second tile)
+        slots[t - 2] = -1       # padding in the 32-row tile's second half
     scales = tuple(torch.rand(hkv, d, generator=gen) + 0.5 for _ in range(2)) if fp8 else (None, None)
     cache = torch.zeros(2, 8, bs, hkv, d, dtype=torch.float8_e4m3fn if fp8 else dtype)
     want_cache = cache.clone()

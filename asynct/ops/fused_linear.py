@@ -90,7 +90,7 @@ def row_tile(m: int) -> int:
     The 64-row tile (33-64 rows) made decode steps of 40-64 sequences 1.13x faster than cuBLAS
     and the unfused elementwise kernels; a 128-wide K tile for it (80 KB of shared memory a
     program, not 120) 1.02-1.06x slower than 256 (H200, bench-0.6b, benchmarks/RESULTS.md)."""
-    return next((t for t in ROW_TILES if m <= t), ROW_TILES[-1])
+    return next(t for t in ROW_TILES if m <= t)
 
 
 def _tiles(x, k, tiles):
@@ -117,11 +117,6 @@ def _tiles(x, k, tiles):
     stages = min(3 if block_k == 512 else 4, (128 << 10) // ((block_m + TILE_N) * block_k * x.element_size()))
     return dict(BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=k % block_k == 0, PRECISION=precision,
                 num_warps=4 if tiles < sms else 2, num_stages=stages, LINES=lines, GEMV=False, **pdl)
-
-
-def _grid(tiles, x, launch):
-    """Weight tiles by activation row tiles (more than one past the largest row tile)."""
-    return tiles, triton.cdiv(x.shape[0], launch["BLOCK_M"])
 
 
 def _half(rows, plan):
@@ -183,11 +178,10 @@ def linear_qk_norm_rope_triton(x, weight, positions, num_heads, num_kv_heads, q_
     rows, plan = _plan(x, k, "qkv")
     hb = _half(rows, plan)
     tiles = (num_heads + 2 * num_kv_heads) * d // (2 * hb)
-    launch = plan or _tiles(x, k, tiles)
-    qkv_rope_kernel[_grid(tiles, x, launch)](
-        x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads, num_kv_heads, q_alpha,
-        q_weight, k_alpha, k_weight, *strides, *cache, attn_sums if zero else q, HALF=d // 2, HB=hb,
-        WRITE_KV=write, BS=bs, FP8=fp8, ZERO_SUMS=zero, **launch)
+    qkv_rope_kernel[(tiles,)](x, x.stride(0), weight, q, *outs, positions, cos_sin_cache, t, k, num_heads,
+                               num_kv_heads, q_alpha, q_weight, k_alpha, k_weight, *strides, *cache,
+                               attn_sums if zero else q, HALF=d // 2, HB=hb, WRITE_KV=write, BS=bs, FP8=fp8,
+                               ZERO_SUMS=zero, **(plan or _tiles(x, k, tiles)))
     return q, k_out, v
 
 
@@ -200,8 +194,7 @@ def linear_reglu_triton(x, weight):
     rows, plan = _plan(x, k, "reglu")
     hb = _half(rows, plan)
     tiles = triton.cdiv(i, hb)
-    launch = plan or _tiles(x, k, tiles)
-    gate_up_reglu_kernel[_grid(tiles, x, launch)](x, x.stride(0), weight, out, t, k, i, HB=hb, **launch)
+    gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=hb, **(plan or _tiles(x, k, tiles)))
     return out
 
 
@@ -218,10 +211,9 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
     rows, plan = _plan(x, k, "dyht_add")
     tiles = triton.cdiv(n, rows)
-    launch = plan or _tiles(x, k, tiles)
-    linear_dyht_add_kernel[_grid(tiles, x, launch)](
+    linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
-        *strides, HAS_POST=has_post, BLOCK_N=rows, **launch)
+        *strides, HAS_POST=has_post, BLOCK_N=rows, **(plan or _tiles(x, k, tiles)))
     return hidden, normed
 
 

@@ -4,7 +4,7 @@ import torch
 
 from asynct.ops._triton import pow2
 
-SMALL_M = 256   # rows a fused linear takes at most (decode steps; past 64, tiles of 64 on a second grid axis)
+SMALL_M = 64    # rows a fused linear takes at most (decode-sized steps; fused_linear.ROW_TILES' largest)
 
 
 def operands_problem(x, weight, fp32_x=False):

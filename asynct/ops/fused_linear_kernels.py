@@ -39,15 +39,6 @@ def _dot_rows(x_ptr, sx, M, w_ptr, rows, rmask, K, BLOCK_M: tl.constexpr, BLOCK_
 
 
 @_jit
-def _row_tile(x_ptr, sx, M, BLOCK_M: tl.constexpr):
-    """This program's activation rows: the grid's second axis walks tiles of BLOCK_M rows (steps
-    past the largest tile). x at the tile's first row, the rows left from there, and the
-    rows' indices in the whole call [BLOCK_M, 1]."""
-    r0 = tl.program_id(1) * BLOCK_M
-    return x_ptr + r0.to(tl.int64) * sx, M - r0, r0 + tl.arange(0, BLOCK_M)[:, None]
-
-
-@_jit
 def _x_row(x_ptr, sx, i: tl.constexpr, M, k, km):
     # a row past M (the fourth of a 3-row call) reads as zeros; one past BLOCK_M is never used,
     # so its load compiles away
@@ -149,7 +140,7 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
     per_head: tl.constexpr = HALF // HB
     head = tl.program_id(0) // per_head
     d0 = (tl.program_id(0) % per_head) * HB
-    x_tile, m_tile, m = _row_tile(x_ptr, sx, M, BLOCK_M)
+    m = tl.arange(0, BLOCK_M)[:, None]
     d = d0 + tl.arange(0, HB)
     # the epilogue's operands load before the PDL wait (in _weight_rows), off the critical path:
     # positions, slots (host-written: the caller's contract) and the norms (weights). After the
@@ -164,7 +155,7 @@ def qkv_rope_kernel(x_ptr, sx, w_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, M, K
     slot = tl.load(slot_ptr + m, mask=m < M, other=-1) if WRITE_KV else m
     j = tl.arange(0, 2 * HB)
     rows = head * (2 * HALF) + d0 + tl.where(j < HB, j, j + HALF - HB)
-    acc = _weight_rows(x_tile, sx, m_tile, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
+    acc = _weight_rows(x_ptr, sx, M, w_ptr, rows, j >= 0, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
                        LINES, GEMV)
     lo, hi = _halves(acc, BLOCK_M, HB)
     if head < HQ + HKV:
@@ -202,10 +193,10 @@ def gate_up_reglu_kernel(x_ptr, sx, w_ptr, out_ptr, M, K: tl.constexpr, I, HB: t
     j = tl.arange(0, 2 * HB)
     n = tl.program_id(0) * HB + tl.where(j < HB, j, j - HB)
     rows = tl.where(j < HB, n, n + I)
-    x_tile, m_tile, m = _row_tile(x_ptr, sx, M, BLOCK_M)
-    acc = _weight_rows(x_tile, sx, m_tile, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
+    acc = _weight_rows(x_ptr, sx, M, w_ptr, rows, n < I, K, BLOCK_M, 2 * HB, BLOCK_K, EVEN_K, PRECISION, PDL,
                        LINES, GEMV)
     gate, up = _halves(acc, BLOCK_M, HB)
+    m = tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(0) * HB + tl.arange(0, HB)[None, :]
     tl.store(out_ptr + m * I + cols, (tl.maximum(gate, 0.0) * up).to(out_ptr.dtype.element_ty),
              mask=(m < M) & (cols < I))
@@ -219,12 +210,12 @@ def linear_dyht_add_kernel(x_ptr, sx, w_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, d
                             LINES: tl.constexpr, GEMV: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = cols < N
-    x_tile, m_tile, m = _row_tile(x_ptr, sx, M, BLOCK_M)
-    h = _weight_rows(x_tile, sx, m_tile, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL,
+    h = _weight_rows(x_ptr, sx, M, w_ptr, cols, cmask, K, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, PDL,
                      LINES, GEMV)
     safe = tl.where(cmask, cols, 0)
     if HAS_POST:
         h = _dyht(h, _norm_params(pa_ptr, pw_ptr, safe, spa, spw))
+    m = tl.arange(0, BLOCK_M)[:, None]
     offs, mask = m * N + cols[None, :], (m < M) & cmask[None, :]
     h = (h + tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(hid_ptr.dtype.element_ty)
     tl.store(hid_ptr + offs, h, mask=mask)
