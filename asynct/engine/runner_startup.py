@@ -104,8 +104,8 @@ class RunnerStartup:
             n = min(n, self.num_kv_blocks * self.block_size)
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
-            self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
-                          torch.arange(n, device=self.device), self.builder.build(step))
+            positions = torch.arange(n, device=self.device) % self.config.max_position_embeddings   # RoPE's rows
+            self._forward(torch.zeros(n, dtype=torch.long, device=self.device), positions, self.builder.build(step))
         for n in warmup_decode_counts():   # a backend may take small decode steps its own way
             step = StepInputs([1] * n, [1] * n, [[0]] * n, [-1] * n, n)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
