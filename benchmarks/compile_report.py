@@ -86,17 +86,20 @@ COMMON = dict(D=128, BS=16, P=3, RELU=True, PREC="tf32", FP8=False)
 
 
 def decode_reports():
-    args = dict(ATTN, out_ptr="*fp32", plen_ptr="*i32", pre_ptr="*fp32", sqb=1024, sqh=128, sbt=64,
+    args = dict(ATTN, out_ptr="*fp32", plen_ptr="*i32", pre_ptr="*fp32", order_ptr="*i32", sqb=1024, sqh=128, sbt=64,
                 sob=1024 * 8, soh=128 * 8, sos=128, S_PRE=5)
     n, w, st = dec.BLOCK_N, 4, 2    # asynci_decode_triton's launch
     for fp8 in (False, True):
         # an FP8 cache is read as int32 words (asynci_common.kv_operands): strides in words
         kv = dict(k_ptr="*i32", v_ptr="*i32", s_blk=16 * 4 * 32, s_tok=128, s_head=32) if fp8 else {}
-        for cascade, accumulate in ((False, False), (True, False), (False, True)):
-            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True, ACCUMULATE=accumulate)
-            cap = dec.MAX_REGISTERS[cascade, fp8]
+        for cascade, accumulate, ordered in ((False, False, False), (True, False, False), (False, True, False),
+                                             (False, False, True), (True, False, True)):
+            consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True, ACCUMULATE=accumulate,
+                          ORDERED=ordered)
+            cap = dec.MAX_REGISTERS[cascade or ordered, fp8]
             yield (f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, accumulate {accumulate}, "
-                   f"fp8 {fp8}, cap {cap}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st, cap)
+                   f"ordered {ordered}, fp8 {fp8}, cap {cap}"), compile_sm90(dec._decode_kernel, dict(args, **kv),
+                                                                            consts, w, st, cap)
 
 
 def prefill_reports():

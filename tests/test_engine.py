@@ -491,6 +491,37 @@ def test_shared_prefix_len_counts_only_common_blocks():
     assert shared_prefix_len(block_table_array(tables), lens, n - 1, bs) == 0   # too few rows
 
 
+def test_large_decode_steps_take_their_rows_longest_first(monkeypatch):
+    """Decode steps of DECODE_ORDER_MIN_ROWS sequences or more hand the decode kernel their rows
+    longest first (ties in row order), eagerly and in graphs; smaller ones, and prefills, none."""
+    from asynct.attention import StepInputs
+    from asynct.attention import triton_backend as tb
+    monkeypatch.setattr(tb, "DECODE_ORDER_MIN_ROWS", 4)
+    builder = tb.TritonMetadataBuilder(4, torch.device("cpu"))
+    lens = [5, 9, 2, 9, 30]
+    step = StepInputs([1] * 5 + [3], lens + [3], [[i] for i in range(6)], list(range(8)), 5)
+    assert builder.build(step).decode_order.tolist() == [4, 1, 3, 0, 2]
+    few = StepInputs([1] * 3, lens[:3], [[i] for i in range(3)], list(range(3)), 3)
+    assert builder.build(few).decode_order is None
+    backend = tb.TritonBackend()
+    backend.init_capture(8, 2, 64, 4, "cpu")
+    decodes = StepInputs([1] * 5, lens, [[i] for i in range(5)], list(range(5)), 5)
+    assert backend.prepare_for_replay(decodes, 6).decode_order.tolist() == [4, 1, 3, 0, 2, 5]
+    assert backend.prepare_for_replay(few, 3).decode_order is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_rows_longest_first_on_gpu_match_torch_backend(tiny_ckpt, monkeypatch):
+    """24 sequences of uneven lengths decode with their rows taken longest first (from 4, not
+    DECODE_ORDER_MIN_ROWS, so that this small model's steps do), in CUDA graphs and eagerly:
+    fp32 greedy tokens equal the torch backend's."""
+    from asynct.attention import triton_backend as tb
+    monkeypatch.setattr(tb, "DECODE_ORDER_MIN_ROWS", 4)
+    prompts = random_prompts(24, 5, 400, seed=12)
+    runs = gpu_backend_runs(tiny_ckpt, lambda llm: greedy_tokens(llm, prompts))
+    assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cascade_decode_on_gpu_matches_torch_backend(tiny_ckpt):
     """40 requests sharing a 300-token prefix decode through the cascade path (CUDA graphs and

@@ -63,10 +63,14 @@ def test_compile_only_builds_the_launchers(tmp_path, monkeypatch):
 
 @gpu
 @pytest.mark.parametrize("eager", [False, True])
-def test_nothing_compiles_after_start_up(gqa_ckpt, eager):
+def test_nothing_compiles_after_start_up(gqa_ckpt, eager, monkeypatch):
     """Eager too: graph capture compiles what it meets before the counter starts, so only an
-    engine without graphs shows a variant the warm-up forgot (17-32-token steps: 32-row tiles)."""
+    engine without graphs shows a variant the warm-up forgot (17-32-token steps: 32-row tiles).
+    Decodes take their rows longest first from 16 sequences here (DECODE_ORDER_MIN_ROWS), so
+    that this engine's steps reach those variants too."""
+    from asynct.attention import triton_backend
     from asynct.ops._triton import CompileCounter
+    monkeypatch.setattr(triton_backend, "DECODE_ORDER_MIN_ROWS", 16)
     forget_compiled_kernels()
     llm = LLM(gqa_ckpt, max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=0.3,
               enforce_eager=eager)

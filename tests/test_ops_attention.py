@@ -260,6 +260,32 @@ def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
     assert shared_prefix_case([70, 100, 40], 8, 4, 2, 16, 4, 3, True, device=DEV, splits=8) < 1e-5
 
 
+@pytest.mark.parametrize("lens,splits,prefix_blocks", [([3, 100, 64, 1, 37], None, 0), ([70, 33, 130, 49], 3, 0),
+                                                       ([200, 230, 197, 260], None, 49), ([40, 17, 90], 4, 1)])
+def test_decode_takes_the_rows_in_any_order(lens, splits, prefix_blocks):
+    """Programs that take the rows longest first (`order`) write each row where it belongs: the
+    output equals row order's bit for bit, cascade and split partials too (and an order of row 0
+    only leaves the others unwritten: the kernel reads it); one that is not an int32 row per
+    sequence is refused by name."""
+    gen = torch.Generator().manual_seed(len(lens))
+    cache, table = make_cache(lens, 2, 16, 4, torch.float32, DEV, gen)
+    table[:, :prefix_blocks] = table[0, :prefix_blocks]
+    q = torch.randn(len(lens), 4, 16, generator=gen).to(DEV)
+    sigma, seq = (torch.randn(4, generator=gen) * 1.5).to(DEV), torch.tensor(lens, dtype=torch.int32, device=DEV)
+    kw = dict(splits=splits, prefix_len=torch.tensor([prefix_blocks * 4], dtype=torch.int32, device=DEV)
+              if prefix_blocks else None)
+    order = torch.tensor(sorted(range(len(lens)), key=lambda i: -lens[i]), dtype=torch.int32, device=DEV)
+    outs = [asynci_decode_triton(q, cache, table, seq, sigma, 0.25, 3, True, torch.full_like(q, float("nan")),
+                                 order=o, **kw) for o in (None, order)]
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    # the kernel does read it: one split a row, every program on row 0, the other rows unwritten
+    once = asynci_decode_triton(q, cache, table, seq, sigma, 0.25, 3, True, torch.full_like(q, float("nan")),
+                                splits=1, prefix_len=kw["prefix_len"], order=torch.zeros_like(order))
+    assert torch.allclose(once[0], outs[0][0], atol=1e-5) and once[1:].isnan().all()
+    with pytest.raises(ValueError, match="order must be a contiguous int32"):
+        asynci_decode_triton(q, cache, table, seq, sigma, 0.25, 3, True, torch.empty_like(q), order=order[:-1])
+
+
 def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=torch.float32,
                        device="cpu", seed=0, block_major=False, **kw):
     """Decode over a batch whose rows share their first prefix_blocks blocks (as the prefix
@@ -488,12 +514,13 @@ def test_prefill_kv_loads_buffer_as_deep_as_its_stages(compile_report):
 
 def test_every_decode_variant_holds_four_programs_an_sm(compile_report):
     """The decode kernel streams K/V: a program an SM fewer cost 8-25 % of its speed on the H200.
-    Its register caps (MAX_REGISTERS) keep all six variants (plain, cascade, accumulating; bf16
-    and FP8) at 4 an SM, the bf16 ones unspilled."""
+    Its register caps (MAX_REGISTERS) keep all ten variants (plain, cascade, accumulating, rows in
+    an order with and without cascade; bf16 and FP8) at 4 an SM, the bf16 ones unspilled (the
+    ordered bf16 one took 156 registers uncapped: 3 an SM)."""
     import re
     rows = re.findall(r"^decode .*, fp8 (\w+), cap \w+ \| \d+ \| (\d+) \| [\d.]+ \| [\d/]+ \| (\d+)$",
                       compile_report, re.M)
-    assert len(rows) == 6, compile_report
+    assert len(rows) == 10, compile_report
     for fp8, spill, programs in rows:
         assert int(programs) >= 4 and (fp8 == "True" or spill == "0"), compile_report
 

@@ -104,14 +104,16 @@ def test_graph_inputs_pack_each_part_16_byte_aligned_and_pad_empty_rows():
     import numpy as np
 
     from asynct.attention import StepInputs
-    from asynct.attention.graph_inputs import GraphStepInputs
+    from asynct.attention.graph_inputs import GraphStepInputs, longest_first
     g = GraphStepInputs(3, 5, "cpu")
     assert all(getattr(g, name).data_ptr() % 16 == 0 for name in ("positions", "slot_mapping", "seq_lens",
-                                                                   "prefix_len", "block_table"))
+                                                                   "decode_order", "prefix_len", "block_table"))
+    assert g.decode_order.tolist() == [0, 1, 2]     # a permutation before any step (capture reads it)
     step = StepInputs([1, 1], [7, 20], [[4, 2], [9]], [33, 150], 2)
-    g.send(step, np.array([[4, 2], [9, 0]], dtype=np.int32), 16)
+    g.send(step, np.array([[4, 2], [9, 0]], dtype=np.int32), 16, longest_first(step.seq_lens, 3))
     assert g.positions.tolist() == [6, 19, 0] and g.seq_lens.tolist() == [7, 20, 0]
     assert g.slot_mapping.tolist() == [33, 150, -1] and g.prefix_len.tolist() == [16]
+    assert g.decode_order.tolist() == [1, 0, 2]     # longest first; the empty row keeps its place
     assert g.block_table[:2, :2].tolist() == [[4, 2], [9, 0]] and not g.block_table[2:].any()
 
 

@@ -6,7 +6,8 @@ copied into the static buffers, they were seven memcpys on the stream between tw
 steps, ~2 us each (H200, benchmarks/RESULTS.md). Here the host packs them into one pinned
 buffer: one host-to-device copy, then one device copy of the block-table rows into the graph's
 wide table (its rows are max_blocks apart; the step's are only as wide as its longest).
-Rows past the step's are empty sequences: length 0, slot -1, position 0."""
+Rows past the step's are empty sequences: length 0, slot -1, position 0; the rows' decode order
+(triton_backend.DECODE_ORDER_MIN_ROWS) is sent only for graphs that read it."""
 import numpy as np
 import torch
 
@@ -15,8 +16,16 @@ from asynct.attention.base import StepInputs
 # (name, dtype, one entry or one a row); each part starts 16-byte aligned: Triton specialises a
 # pointer on its 16-byte alignment
 _PARTS = (("positions", np.int64, False), ("slot_mapping", np.int64, False), ("seq_lens", np.int32, False),
-          ("prefix_len", np.int32, True))
+          ("decode_order", np.int32, False), ("prefix_len", np.int32, True))
 _TORCH = {np.int64: torch.int64, np.int32: torch.int32}
+
+
+def longest_first(seq_lens, num_rows: int) -> np.ndarray:
+    """The rows [0, num_rows) by length, longest first (ties in row order): the step's sequences
+    are the first len(seq_lens) of them, the rest (a graph's empty rows) keep their places."""
+    order = np.arange(num_rows, dtype=np.int32)
+    order[:len(seq_lens)] = np.argsort(-np.asarray(seq_lens, dtype=np.int64), kind="stable")
+    return order
 
 
 def _aligned(nbytes: int) -> int:
@@ -37,11 +46,13 @@ class GraphStepInputs:
             view = self.buffer[start:start + count * np.dtype(dtype).itemsize].view(_TORCH[dtype])
             setattr(self, name, view)
         self.slot_mapping.fill_(-1)
+        self.decode_order.copy_(torch.arange(max_batch_size, dtype=torch.int32))
         self.block_table = torch.zeros(max_batch_size, max_blocks_per_seq, dtype=torch.int32, device=device)
 
-    def send(self, step: StepInputs, table: np.ndarray, prefix_len: int):
-        """Packs a decode-only step (`table`: its block tables as one int32 array) and queues the
-        copies without waiting for the device."""
+    def send(self, step: StepInputs, table: np.ndarray, prefix_len: int, order: np.ndarray | None = None):
+        """Packs a decode-only step (`table`: its block tables as one int32 array; `order`: the
+        graph's rows in decode order, longest_first) and queues the copies without waiting for
+        the device."""
         n, width = table.shape
         host = np.zeros(self.table_offset + table.nbytes, dtype=np.uint8)
         part = self._host_views(host)
@@ -50,6 +61,8 @@ class GraphStepInputs:
         part["slot_mapping"][:] = -1
         part["slot_mapping"][:n] = step.slot_mapping
         part["prefix_len"][0] = prefix_len
+        if order is not None:
+            part["decode_order"][:len(order)] = order
         host[self.table_offset:] = table.reshape(-1).view(np.uint8)
         source = torch.from_numpy(host)
         if self.buffer.is_cuda:     # from torch's caching host allocator: reused only after its copy ran

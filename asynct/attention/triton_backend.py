@@ -6,6 +6,7 @@ that prefix once per tile of sequences instead of once per sequence (cascade att
 
 The CUDA-graph hooks keep static metadata buffers for decode-only steps (graph_inputs.py): replay
 sends the real step's rows there in one copy, the rest empty sequences that write nowhere."""
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -14,7 +15,7 @@ import torch
 from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
                                    host_to_device, register_backend)
-from asynct.attention.graph_inputs import GraphStepInputs
+from asynct.attention.graph_inputs import GraphStepInputs, longest_first
 from asynct.ops import asynci_decode, asynci_prefill
 from asynct.ops.asynci_prefill import warmup_prefill
 
@@ -27,6 +28,12 @@ CASCADE_MIN_PREFIX = 128     # keys: two tiles
 # at two, 0.96-0.98x at three and four; the adds' order varies from run to run, so the last bits
 # of a step's attention may too: only where it pays. o_proj takes the sums up to GEMV_MAX_ROWS.
 DECODE_SUMS_MAX_ROWS = 1
+# Decodes of at least this many sequences take their rows longest first (asynci_decode's
+# `order`): with one key split a row, the programs of the longest rows start first and the
+# short ones fill in behind them. H200, 8 q / 4 KV heads of 128, rows of 100-2,048 keys:
+# 256 rows 1.15x faster, 192 1.14x, 128 1.03x, 64 0.99x; 256 rows of 600-1,400 1.05x, of
+# equal lengths 1.01x (benchmarks/RESULTS.md).
+DECODE_ORDER_MIN_ROWS = 128
 
 
 def shared_prefix_len(table: np.ndarray, seq_lens: list[int], num_decodes: int, block_size: int) -> int:
@@ -50,6 +57,7 @@ class TritonAttentionMetadata(AttentionMetadata):
     decode_prefix_len: torch.Tensor | None = None   # int32 [1]: keys all decodes share; None: no cascade
     decode_prefix_len_cpu: int = 0
     decode_accumulates: bool = False   # into fp32 sums (DECODE_SUMS_MAX_ROWS)
+    decode_order: torch.Tensor | None = None   # int32 [num_decodes]: rows longest first (DECODE_ORDER_MIN_ROWS)
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -65,7 +73,9 @@ class TritonMetadataBuilder(AttentionMetadataBuilder):
             max_decode_seq_len=max(step.seq_lens[:nd], default=0),
             decode_prefix_len=host_to_device([plen], torch.int32, self.device) if plen else None,
             decode_prefix_len_cpu=plen,
-            decode_accumulates=self.device.type == "cuda" and not pre_q and 0 < nd <= DECODE_SUMS_MAX_ROWS)
+            decode_accumulates=self.device.type == "cuda" and not pre_q and 0 < nd <= DECODE_SUMS_MAX_ROWS,
+            decode_order=(host_to_device(longest_first(step.seq_lens[:nd], nd), torch.int32, self.device)
+                          if nd >= DECODE_ORDER_MIN_ROWS else None))
 
 
 class TritonAttentionImpl(AttentionImpl):
@@ -79,7 +89,7 @@ class TritonAttentionImpl(AttentionImpl):
         if nd:
             asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
                           max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
-                          accumulate=md.decode_accumulates, **self.kv_scales)
+                          accumulate=md.decode_accumulates, order=md.decode_order, **self.kv_scales)
         if md.num_prefills:
             asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
                            md.seq_lens[nd:], *args, output[nd:na],
@@ -103,8 +113,8 @@ class TritonBackend(AttentionBackend):
 
     def warmup(self, impl, kv_cache, dtype):
         """Decode's compiled variants: one split (written straight to the output) or several
-        (fp32 partials, then a sum), each with and without the shared-prefix pass; then every
-        prefill variant the plan can pick for the pool (`prefill_variants`).
+        (fp32 partials, then a sum), each with and without the shared-prefix pass and the rows'
+        order; then every prefill variant the plan can pick for the pool (`prefill_variants`).
         Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
         dev = kv_cache.device
         b, blocks = 2, 4
@@ -113,10 +123,11 @@ class TritonBackend(AttentionBackend):
         # copied in, not filled by a kernel: the decode kernel reads the lengths before its wait
         lens = torch.tensor([blocks * kv_cache.shape[2]] * b, dtype=torch.int32).to(dev)
         args = (impl.sigma, impl.scale, impl.pool_size, impl.relu_pre)
-        for splits in (1, 2):
-            for prefix in (None, torch.zeros(1, dtype=torch.int32, device=dev)):
-                asynci_decode(q, kv_cache, table, lens, *args, torch.empty_like(q), splits=splits,
-                              prefix_len=prefix, **impl.kv_scales)
+        prefixes = (None, torch.zeros(1, dtype=torch.int32, device=dev))
+        orders = (None, torch.arange(b, dtype=torch.int32).to(dev))   # copied in, as the lengths
+        for splits, prefix, order in itertools.product((1, 2), prefixes, orders):
+            asynci_decode(q, kv_cache, table, lens, *args, torch.empty_like(q), splits=splits,
+                          prefix_len=prefix, order=order, **impl.kv_scales)
         qsl = torch.tensor([0, 1, b], dtype=torch.int32, device=dev)
         warmup_prefill(q, kv_cache, table, qsl, lens, *args, torch.empty_like(q), max_query_len=1,
                        max_seq_len=blocks * kv_cache.shape[2], **impl.kv_scales)
@@ -140,10 +151,12 @@ class TritonBackend(AttentionBackend):
             max_query_len=1, max_seq_len=0, query_start_loc=self.graph_qsl[: bs + 1],
             seq_lens=g.seq_lens[:bs], block_table=g.block_table[:bs], slot_mapping=g.slot_mapping[:bs],
             max_decode_seq_len=self.graph_max_seq_len, decode_prefix_len=g.prefix_len if cascade else None,
-            decode_accumulates=bs <= DECODE_SUMS_MAX_ROWS)
+            decode_accumulates=bs <= DECODE_SUMS_MAX_ROWS,
+            decode_order=g.decode_order[:bs] if bs >= DECODE_ORDER_MIN_ROWS else None)
 
     def prepare_for_replay(self, step: StepInputs, batch_size) -> TritonAttentionMetadata:
         table = block_table_array(step.block_tables)
         prefix = shared_prefix_len(table, step.seq_lens, step.num_decodes, self.graph_block_size)
-        self.graph_inputs.send(step, table, prefix)
+        order = longest_first(step.seq_lens, batch_size) if batch_size >= DECODE_ORDER_MIN_ROWS else None
+        self.graph_inputs.send(step, table, prefix, order)
         return replace(self.prepare_for_capture(batch_size), max_seq_len=max(step.seq_lens))

@@ -22,22 +22,25 @@ from asynct.ops.paged_ref import asynci_decode_ref
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
-# Registers a thread (`maxnreg`), by (adds a shared prefix's partials, FP8 cache): what fits 4
-# programs an SM (sm_90). Uncapped, the bf16 cascade variant takes 160 (3 an SM; at 128 no spill)
-# and the FP8 ones (their cache read as words) 128 at most: the plain one no spill, the cascade
-# one 4 bytes. Capped, H200 steps of 128 sequences ran 1.11x (384 keys) to 1.24x (2,048) faster,
+# Registers a thread (`maxnreg`), by (adds a shared prefix's partials or takes the rows in an
+# order, FP8 cache): what fits 4 programs an SM (sm_90). Uncapped, the bf16 cascade variant takes
+# 160 (3 an SM; at 128 no spill), the ordered one 156 (at 128 no spill), and the FP8 ones (their
+# cache read as words) 128 at most: the plain one no spill, the cascade one 4 bytes. Capped, H200 steps of 128 sequences ran 1.11x (384 keys) to 1.24x (2,048) faster,
 # 256 sequences 1.10x on average (benchmarks/RESULTS.md). The bf16 plain variant's 124 already
 # fits 4; at 96 (5 an SM) it ran batch-8 steps 3 % slower.
 MAX_REGISTERS = {(False, False): None, (True, False): 128, (False, True): 128, (True, True): 128}
 
 
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, order_ptr, scale,
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr):
+                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
+                   ORDERED: tl.constexpr):
     b = tl.program_id(0)
+    if ORDERED:     # the caller's order of the rows (longest first): a host-written step input
+        b = tl.load(order_ptr + b)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     # read while the kernel before finishes: the lengths are not that kernel's output (the
@@ -108,6 +111,12 @@ def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
     return max(1, min(want, triton.cdiv(max_seq_len, BLOCK_N), 64))
 
 
+def check_order(order, b):
+    if order is not None and (order.shape != (b,) or order.dtype != torch.int32 or not order.is_contiguous()):
+        raise ValueError(f"order must be a contiguous int32 ({b},) permutation of the rows, got "
+                         f"{tuple(order.shape)} {order.dtype}")
+
+
 def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, Hq, D] with unit last stride, got {tuple(q.shape)}")
@@ -156,8 +165,13 @@ def _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, fp8_args, s_
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
                          out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None,
                          block_n=BLOCK_N, num_warps=4, num_stages=2,
-                         k_scale=None, v_scale=None, accumulate=False):
-    """`accumulate`: every split adds its fp32 partial into `out` (fp32, zeroed by the caller) by
+                         k_scale=None, v_scale=None, accumulate=False, order=None):
+    """`order` (int32 [B] on the device, a permutation of the rows): the order in which the
+    programs take the rows. Longest first, a batch of uneven lengths ends with the short rows
+    filling the SMs rather than a few long ones running alone (one split a row, 256 rows of
+    100-2,048 keys: 1.15x faster on the H200; equal lengths: no change). Read before the PDL
+    wait, as `seq_lens` is.
+    `accumulate`: every split adds its fp32 partial into `out` (fp32, zeroed by the caller) by
     relaxed atomics, so no partials are kept and no sum kernel runs (one kernel boundary fewer
     a layer: the engine's batch-1 decode, attention/triton_backend.py); the order of the adds
     varies, so the last bits may differ from run to run.
@@ -168,6 +182,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     (copied in from the host, or filled earlier): with programmatic dependent launch the decode
     and sum kernels read them before waiting for that kernel."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
+    check_order(order, q.shape[0])
     if accumulate and out.dtype != torch.float32:
         raise ValueError(f"an accumulating decode adds into fp32 sums, got out of {out.dtype}")
     b, hq, d = q.shape
@@ -194,23 +209,26 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                            num_stages)
     dst, strides = split_output(out, 1 if accumulate else splits)   # accumulating: straight into out
     plen = prefix_len if s_pre else seq_lens
-    cap = MAX_REGISTERS[s_pre > 0, fp8]
+    cap = MAX_REGISTERS[s_pre > 0 or order is not None, fp8]
     _decode_kernel[(b, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, float(scale), q.stride(0),
+        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, seq_lens if order is None else order,
+        float(scale), q.stride(0),
         q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, PTX=ptx, **consts, num_warps=num_warps,
-        num_stages=num_stages, ACCUMULATE=accumulate, **({"maxnreg": cap} if cap else {}), **pdl_args(q))
+        num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=order is not None,
+        **({"maxnreg": cap} if cap else {}), **pdl_args(q))
     return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
                   max_seq_len=None, prefix_len=None, k_scale=None, v_scale=None, splits=None,
-                  accumulate=False):
+                  accumulate=False, order=None):
     """Writes AsyncI of each sequence's last token into `out` [B, Hq, D] and returns it; with
     `accumulate`, adds it into `out` (fp32 sums, see asynci_decode_triton).
-    `prefix_len` is a hint (shared leading blocks, see asynci_decode_triton): ignoring it is
-    always correct, so the references and the CUDA kernel do. The CUDA kernel reads no
-    FP8 cache (cuda_ext.cuda_decode_supported), so the scales go to Triton and the reference only."""
+    `prefix_len` and `order` are hints (shared leading blocks, the rows' order: see
+    asynci_decode_triton): ignoring them is always correct, so the references and the CUDA
+    kernel do. The CUDA kernel reads no FP8 cache (cuda_ext.cuda_decode_supported), so the
+    scales go to Triton and the reference only."""
     scales = dict(k_scale=k_scale, v_scale=v_scale)
     fn = asynci_decode_ref
     if q.is_cuda:
@@ -219,7 +237,7 @@ def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, r
     if fn is asynci_decode_triton:
         return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
                   max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits, accumulate=accumulate,
-                  **scales)
+                  order=order, **scales)
     # the others write: their output is added (the reference's in fp32, the CUDA kernel's in q's dtype)
     dst = torch.empty_like(out if fn is asynci_decode_ref else q) if accumulate else out
     if fn is asynci_decode_ref:
