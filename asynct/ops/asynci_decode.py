@@ -38,10 +38,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
                    FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
                    ORDERED: tl.constexpr):
-    b = tl.program_id(0)
-    if ORDERED:     # the caller's order of the rows (longest first): a host-written step input
-        b = tl.load(order_ptr + b)
-    kvh = tl.program_id(1)
+    if ORDERED:     # the caller's order of the rows (a host-written step input), a row's KV heads side by side
+        b = tl.load(order_ptr + tl.program_id(1))
+        kvh = tl.program_id(0)
+    else:
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
     split = tl.program_id(2)
     # read while the kernel before finishes: the lengths are not that kernel's output (the
     # caller's contract, asynci_decode_triton). sigma may be cast by the kernel just before: after.
@@ -60,7 +62,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
                       D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
     if CASCADE:
         if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
-            row = (b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE
+            row = (b.to(tl.int64) * tl.num_programs(0 if ORDERED else 1) * G + head) * S_PRE
             for s_ in range(S_PRE):
                 acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
@@ -210,7 +212,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     dst, strides = split_output(out, 1 if accumulate else splits)   # accumulating: straight into out
     plen = prefix_len if s_pre else seq_lens
     cap = MAX_REGISTERS[s_pre > 0 or order is not None, fp8]
-    _decode_kernel[(b, hkv, splits)](
+    _decode_kernel[(hkv, b, splits) if order is not None else (b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, seq_lens if order is None else order,
         float(scale), q.stride(0),
         q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
