@@ -29,11 +29,12 @@ CASCADE_MIN_PREFIX = 128     # keys: two tiles
 # of a step's attention may too: only where it pays. o_proj takes the sums up to GEMV_MAX_ROWS.
 DECODE_SUMS_MAX_ROWS = 1
 # Decodes of at least this many sequences take their rows longest first (asynci_decode's
-# `order`): with one key split a row, the programs of the longest rows start first and the
-# short ones fill in behind them. H200, 8 q / 4 KV heads of 128, rows of 100-2,048 keys:
-# 256 rows 1.15x faster, 192 1.14x, 128 1.03x, 64 0.99x; 256 rows of 600-1,400 1.05x, of
-# equal lengths 1.01x (benchmarks/RESULTS.md).
-DECODE_ORDER_MIN_ROWS = 128
+# `order`): the programs of the longest rows start first and the short ones fill in behind
+# them. H200, bench-0.6b (8 q / 4 KV heads of 128), contexts of 100-2,048 keys, whole decode
+# steps in CUDA graphs, two repetitions: 64 sequences 1.03x faster, 96 1.13x, 128 0.99x, 192
+# 1.12x, 256 1.15-1.17x. The decode kernel alone: 64-256 rows 1.08-1.34x; 256 rows of equal
+# lengths 1.00x; 224 behind a shared 688-key prefix (cascade) 1.03-1.04x (benchmarks/RESULTS.md).
+DECODE_ORDER_MIN_ROWS = 64
 
 
 def shared_prefix_len(table: np.ndarray, seq_lens: list[int], num_decodes: int, block_size: int) -> int:
