@@ -25,9 +25,10 @@ BLOCK_N = 64
 # Registers a thread (`maxnreg`), by (adds a shared prefix's partials or takes the rows in an
 # order, FP8 cache): what fits 4 programs an SM (sm_90). Uncapped, the bf16 cascade variant takes
 # 160 (3 an SM; at 128 no spill), the ordered one 156 (at 128 no spill), and the FP8 ones (their
-# cache read as words) 128 at most: the plain one no spill, the cascade one 4 bytes. Capped, H200 steps of 128 sequences ran 1.11x (384 keys) to 1.24x (2,048) faster,
-# 256 sequences 1.10x on average (benchmarks/RESULTS.md). The bf16 plain variant's 124 already
-# fits 4; at 96 (5 an SM) it ran batch-8 steps 3 % slower.
+# cache read as words) 128 at most: the plain one no spill, the cascade one 4 bytes. Capped,
+# H200 steps of 128 sequences ran 1.11x (384 keys) to 1.24x (2,048) faster, 256 sequences 1.10x
+# on average (benchmarks/RESULTS.md). The bf16 plain variant's 124 already fits 4; at 96 (5 an
+# SM) it ran batch-8 steps 3 % slower.
 MAX_REGISTERS = {(False, False): None, (True, False): 128, (False, True): 128, (True, True): 128}
 
 
