@@ -1,14 +1,15 @@
 """Kernel timings on the GPU against the device's copy bandwidth and torch SDPA, measured in
 the same run. Seed-model shapes: 8 query / 4 KV heads of 128, bf16, hidden 1024, inter 3072.
 
-    PYTHONPATH=. python3 benchmarks/kernel_bench.py [elementwise] [decode] [prefill] [argmax] [--sweep] [--no-cuda]
-    (default: the first three)
+    PYTHONPATH=. python3 benchmarks/kernel_bench.py [elementwise] [decode] [uneven] [prefill] [argmax] [--sweep]
+        [--no-cuda]   (default: elementwise, decode, prefill)
 
 Each timing replays a CUDA graph that runs the op once on each of several input sets, so the
 inputs together are several times the 60 MB L2 (every op reads HBM) and launch gaps are the
 engine's (graphs) rather than Python's; the median of 20 replays, divided by the sets.
 Decode bandwidth counts the KV bytes read; elementwise bandwidth counts bytes read + written,
-as the copy's does. --sweep adds the block-size / split / config ablations."""
+as the copy's does. --sweep adds the block-size / split / config ablations. `uneven`: decode
+over lengths of 100-2,048 keys, rows longest first against batch order (the peer column)."""
 import math
 import statistics
 import sys
@@ -120,6 +121,30 @@ def decode(copy_bw, sweep):
             del sets
 
 
+def uneven(copy_bw):
+    """Decode over uneven lengths (100-2,048 keys): rows in batch order, the peer, against the
+    rows longest first (the engine's `order` from DECODE_ORDER_MIN_ROWS sequences)."""
+    from asynct.attention.graph_inputs import longest_first
+    gen = torch.Generator("cuda").manual_seed(2)
+    sigma = torch.randn(HQ, device="cuda")
+    for b in (64, 128, 256):
+        lens = torch.randint(100, 2049, (b,), generator=torch.Generator().manual_seed(b)).tolist()
+        nbytes = 2 * sum(lens) * HKV * D * 2
+        order = torch.from_numpy(longest_first(lens, b)).cuda()
+        sets = []
+        for _ in range(n_sets(nbytes)):
+            cache, table = paged(b, 2048, gen)
+            sets.append((torch.randn(b, HQ, D, device="cuda", dtype=BF), cache, table,
+                         torch.tensor(lens, dtype=torch.int32, device="cuda")))
+        times = {}
+        for name, od in (("row order", None), ("longest first", order)):
+            times[name] = bench([lambda s=s, od=od: asynci_decode_triton(
+                s[0], s[1], s[2], s[3], sigma, 0.03, 3, True, torch.empty_like(s[0]), max_seq_len=2048, order=od)
+                for s in sets])
+            add("decode", f"B={b} T=100-2048", name, times[name], nbytes, 0.0, times["row order"], copy_bw)
+        del sets
+
+
 def prefill(copy_bw, sweep):
     gen = torch.Generator("cuda").manual_seed(1)
     sigma = torch.randn(HQ, device="cuda")
@@ -201,7 +226,7 @@ def greedy_argmax(copy_bw, vocab=151936):
                 t_torch, copy_bw)
 
 
-GROUPS = ("elementwise", "decode", "prefill", "argmax")
+GROUPS = ("elementwise", "decode", "uneven", "prefill", "argmax")
 
 
 def main():
@@ -213,9 +238,9 @@ def main():
     copy_bw = copy_bandwidth()
     print(f"copy bandwidth {copy_bw:.2f} TB/s (read + write)")
     for name in groups:
-        {"elementwise": elementwise, "decode": lambda bw: decode(bw, sweep),
+        {"elementwise": elementwise, "decode": lambda bw: decode(bw, sweep), "uneven": uneven,
          "prefill": lambda bw: prefill(bw, sweep), "argmax": greedy_argmax}[name](copy_bw)
-    print("\n| op | shape | kernel | time (us) | TB/s | TFLOP/s | / copy BW | SDPA time / time |")
+    print("\n| op | shape | kernel | time (us) | TB/s | TFLOP/s | / copy BW | peer's time / time |")
     print("|---|---|---|---|---|---|---|---|")
     for op, shape, kern, us, bw, tf, vs_copy, vs_peer in rows:
         if sweep or not any(c in kern for c in (" s", " n", " w")):

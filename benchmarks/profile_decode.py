@@ -17,13 +17,15 @@ from asynct.model.checkpoint import make_checkpoint
 
 
 def fill_decodes(llm, batch, context, shared=0):
-    """Queues `batch` sequences and steps until every one is decoding. With `shared`, every
-    prompt starts with the same `shared` tokens, computed once (the first request's) and then
-    found in the prefix cache by all the others: gsm8k's 5-shot prompts (cascade decode)."""
+    """Queues `batch` sequences of `context` tokens (a count, or one a sequence) and steps until
+    every one is decoding. With `shared`, every prompt starts with the same `shared` tokens,
+    computed once (the first request's) and then found in the prefix cache by all the others:
+    gsm8k's 5-shot prompts (cascade decode)."""
     eng = llm.llm_engine
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=100000)
+    lens = context if isinstance(context, list) else [context] * batch
     prompt = lambda i: [(j * 13 + 5) % 30000 if j < shared else (i * 7 + j) % 30000  # noqa: E731
-                        for j in range(context)]
+                        for j in range(lens[i])]
     for i in range(batch):
         eng.add_request(f"p{i}", prompt(i), params)
         if i == 0 and shared:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
+#   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -40,6 +40,11 @@ for s in $stages; do
              timeout 120 python3 benchmarks/kernel_bench.py 2>&1 | tee $OUT/kernels.log ;;
     issue13-rest) timeout 200 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log | tail -22
              timeout 200 python3 benchmarks/bf16_parity.py --seeds 1 --no-attribution 2>&1 | tee $OUT/parity.log ;;
+    order) # decode rows longest first against batch order, over uneven contexts (100-2,048 keys):
+             # the kernel alone, then whole decode steps
+             timeout 120 python3 benchmarks/kernel_bench.py uneven 2>&1 | tee $OUT/uneven.log | tail -9
+             timeout 300 python3 benchmarks/small_batch.py --model $M --skip-ops --modes "row order,fused" \
+               --uneven 100,2048 --batches 64,96,128,192,256 2>&1 | grep -v "^{" | tee $OUT/order_steps.log ;;
     atomic) # small decode steps: the splits added into fp32 sums by atomics (QKV zeroes them, o_proj
              # reads them) against split partials + a sum kernel: whole steps, then 35-layer chains
              timeout 300 python3 benchmarks/small_batch.py --model $M --skip-ops --modes "no decode sums,fused" \

@@ -2,7 +2,7 @@
 unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-0.6b's shapes.
 
     PYTHONPATH=. python3 benchmarks/small_batch.py [--model DIR] [--sweep] [--skip-ops] [--skip-engine]
-        [--modes unfused,...,fused] [--batches 1,2,...]
+        [--modes unfused,...,fused] [--batches 1,2,...] [--uneven LO,HI]
 
 1. Each layer op at 1, 2, 3, 4, 8, 16, 24 and 32 rows (unfused, fused without PDL, without the
    L2 prefetch, with dot tiles where it takes the CUDA-core path, and fused), graph-timed over
@@ -18,7 +18,10 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose decode
    kernel keeps the compiler's register counts (no caps: try --batches 128), one whose small
    decode steps write split partials and sum them (no fp32 sums), one whose fused linears stop
-   at 32 rows (try --batches 40,48,64), and one without fused linears, against the step's roofline: weights + KV read once at the copy bandwidth."""
+   at 32 rows (try --batches 40,48,64), one whose decode takes its rows in batch order, not
+   longest first (try --uneven 100,2048: contexts of 100-2,048 keys, not 384 each), and one
+   without fused linears, against the step's roofline: weights + KV read once at the copy
+   bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -105,6 +108,12 @@ def no_decode_sums():
     return mock.patch.object(triton_backend, "DECODE_SUMS_MAX_ROWS", 0)
 
 
+def row_order():
+    """Decode rows in batch order at every batch size (before 2026-12-04): the same-run peer of
+    the rows longest first (DECODE_ORDER_MIN_ROWS); try --uneven 100,2048 --batches 64,128,256."""
+    return mock.patch.object(triton_backend, "DECODE_ORDER_MIN_ROWS", 1 << 30)
+
+
 def fused_to_32():
     """The fused linears up to 32 rows, cuBLAS and the unfused elementwise kernels past them (the
     engine before its 64-row tiles, 2026-12-04): the same-run peer of decode steps of 33-64."""
@@ -187,13 +196,21 @@ def ops_table(copy_bw, sweep):
                 print(f"  {label} | {t_c * 1e6:.1f} us | {bw_c / copy_bw:.2f}")
 
 
+def contexts(batch, context) -> list[int]:
+    """Each sequence's prompt length: `context` tokens, or (lo, hi) drawn uniformly (seeded by
+    the batch size, so every mode meets the same lengths)."""
+    if isinstance(context, int):
+        return [context] * batch
+    return torch.randint(context[0], context[1] + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
+
+
 def engine_steps(model, mode, batches, context):
     with mode():
         llm = LLM(model, max_num_seqs=max(batches), gpu_memory_utilization=0.3,
                   cudagraph_mode="full_decode_only")
         eng, out = llm.llm_engine, {}
         for b in batches:
-            fill_decodes(llm, b, context)
+            fill_decodes(llm, b, contexts(b, context))
             mean_step(eng, 10)
             out[b] = mean_step(eng, 100)
             for seq in list(eng.scheduler.running):
@@ -212,6 +229,7 @@ def engine_steps(model, mode, batches, context):
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
          "no decode caps": no_decode_caps, "no decode sums": no_decode_sums, "fused to 32": fused_to_32,
+         "row order": row_order,
          "fused": contextlib.nullcontext}
 
 
@@ -225,7 +243,7 @@ def steps_table(model, copy_bw, names, batches, context=384):
     peers = list(modes)[:-1]
     print(" | ".join(["batch", *modes, *(f"{n} / fused" for n in peers), "roofline", "fused / roofline"]))
     for b in batches:
-        roof = (weights + b * context * kv_per_token) / (copy_bw * 1e12)
+        roof = (weights + sum(contexts(b, context)) * kv_per_token) / (copy_bw * 1e12)
         f = ms["fused"][b]
         print(" | ".join([str(b), *(f"{ms[n][b] * 1e3:.3f}" for n in modes),
                           *(f"{ms[n][b] / f:.2f}" for n in peers), f"{roof * 1e3:.3f}", f"{f / roof:.2f}"]),
@@ -240,6 +258,8 @@ def main():
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--modes", default=",".join(MODES), help="engines of the step table, comma-separated")
     ap.add_argument("--batches", default="1,2,4,8,16,24,32,48", help="the step table's, comma-separated")
+    ap.add_argument("--uneven", default=None, metavar="LO,HI",
+                    help="contexts drawn uniformly from LO to HI keys, not 384 each")
     a = ap.parse_args()
     names = a.modes.split(",")
     if set(names) - set(MODES) or "fused" not in names:
@@ -251,7 +271,8 @@ def main():
         ops_table(copy_bw, a.sweep)
     if not a.skip_engine:
         model = a.model or make_checkpoint("bench-0.6b", Path(tempfile.mkdtemp()) / "m", tokenizer=False)
-        steps_table(str(model), copy_bw, names, [int(b) for b in a.batches.split(",")])
+        context = tuple(int(n) for n in a.uneven.split(",")) if a.uneven else 384
+        steps_table(str(model), copy_bw, names, [int(b) for b in a.batches.split(",")], context)
 
 
 if __name__ == "__main__":
