@@ -152,16 +152,25 @@ def test_e4m3_words_unpack_to_every_value_in_place():
     (4, 2, 32, 16, 4, False, [70, 1, 33], 3),
     (4, 1, 16, 4, 5, True, [130, 64], 4),
 ])
-def test_decode_fp8_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
+@pytest.mark.parametrize("ordered", [False, True])
+def test_decode_fp8_interpreted(hq, hkv, d, bs, pool, relu, lens, splits, ordered):
     kernel, reference = run_decode(asynci_decode_triton, lens, hq, hkv, d, bs, pool, relu, device=DEV,
-                                   splits=splits)
+                                   splits=splits, order=longest_first_on(lens, DEV) if ordered else None)
     assert kernel < 1e-5 and reference < 1e-6
 
 
+def longest_first_on(lens, device):
+    """The engine's decode order of these rows (the kernel's `order`), on `device`."""
+    from asynct.attention.graph_inputs import longest_first
+    return torch.from_numpy(longest_first(lens, len(lens))).to(device)
+
+
+@pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize("lens,prefix_blocks,pre_splits", [([9, 13, 10], 2, None), ([200, 230, 197], 49, 3)])
-def test_cascade_decode_fp8_interpreted(lens, prefix_blocks, pre_splits):
+def test_cascade_decode_fp8_interpreted(lens, prefix_blocks, pre_splits, ordered):
     kernel, _ = run_decode(asynci_decode_triton, lens, 4, 2, 16, 4, 3, True, device=DEV,
-                           prefix_blocks=prefix_blocks, prefix_splits=pre_splits)
+                           prefix_blocks=prefix_blocks, prefix_splits=pre_splits,
+                           order=longest_first_on(lens, DEV) if ordered else None)
     assert kernel < 1e-5
 
 
@@ -180,9 +189,10 @@ def test_fp8_kernels_gpu(hq, hkv, d, bs):
     kernel, _ = run_decode(asynci_decode_triton, lens, hq, hkv, d, bs, 3, True, torch.bfloat16, "cuda")
     assert kernel < 1e-2
     shared = [700 + 37 * i for i in range(40)]
-    kernel, _ = run_decode(asynci_decode_triton, shared, hq, hkv, d, bs, 3, True, torch.bfloat16,
-                           "cuda", prefix_blocks=640 // bs)
-    assert kernel < 1e-2
+    for order in (None, longest_first_on(shared, "cuda")):     # the engine's order from 64 rows
+        kernel, _ = run_decode(asynci_decode_triton, shared, hq, hkv, d, bs, 3, True, torch.bfloat16,
+                               "cuda", prefix_blocks=640 // bs, order=order)
+        assert kernel < 1e-2
     assert run_prefill([300, 1, 77, 1024], [0, 500, 1000, 31], hq, hkv, d, bs, 3, True,
                        torch.bfloat16, "cuda") < 1e-2
     k, v, ks, vs, cache, slots = write_case(write_kv_cache_triton, "cuda", torch.bfloat16)
