@@ -156,8 +156,9 @@ class TritonBackend(AttentionBackend):
             decode_order=g.decode_order[:bs] if bs >= DECODE_ORDER_MIN_ROWS else None)
 
     def prepare_for_replay(self, step: StepInputs, batch_size) -> TritonAttentionMetadata:
+        md = self.prepare_for_capture(batch_size)
         table = block_table_array(step.block_tables)
         prefix = shared_prefix_len(table, step.seq_lens, step.num_decodes, self.graph_block_size)
-        order = longest_first(step.seq_lens, batch_size) if batch_size >= DECODE_ORDER_MIN_ROWS else None
+        order = None if md.decode_order is None else longest_first(step.seq_lens, batch_size)   # the graph reads it
         self.graph_inputs.send(step, table, prefix, order)
-        return replace(self.prepare_for_capture(batch_size), max_seq_len=max(step.seq_lens))
+        return replace(md, max_seq_len=max(step.seq_lens))

@@ -114,13 +114,7 @@ def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
     return max(1, min(want, triton.cdiv(max_seq_len, BLOCK_N), 64))
 
 
-def check_order(order, b):
-    if order is not None and (order.shape != (b,) or order.dtype != torch.int32 or not order.is_contiguous()):
-        raise ValueError(f"order must be a contiguous int32 ({b},) permutation of the rows, got "
-                         f"{tuple(order.shape)} {order.dtype}")
-
-
-def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
+def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order=None):
     if q.dim() != 3 or q.stride(-1) != 1:
         raise ValueError(f"q must be [B, Hq, D] with unit last stride, got {tuple(q.shape)}")
     check_kv_cache(kv_cache)
@@ -138,6 +132,9 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out):
         raise ValueError(f"sigma must be [{hq}]")
     if out.shape != q.shape or out.stride(-1) != 1:
         raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
+    if order is not None and (order.shape != (b,) or order.dtype != torch.int32 or not order.is_contiguous()):
+        raise ValueError(f"order must be a contiguous int32 ({b},) permutation of the rows, got "
+                         f"{tuple(order.shape)} {order.dtype}")
 
 
 def num_prefix_splits(batch, num_kv_heads, group, prefix_len, sms=132):
@@ -185,8 +182,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     `seq_lens` and `prefix_len` must not be written by the kernel launched just before this call
     (copied in from the host, or filled earlier): with programmatic dependent launch the decode
     and sum kernels read them before waiting for that kernel."""
-    check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out)
-    check_order(order, q.shape[0])
+    check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order)
     if accumulate and out.dtype != torch.float32:
         raise ValueError(f"an accumulating decode adds into fp32 sums, got out of {out.dtype}")
     b, hq, d = q.shape
@@ -213,13 +209,13 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
                            num_stages)
     dst, strides = split_output(out, 1 if accumulate else splits)   # accumulating: straight into out
     plen = prefix_len if s_pre else seq_lens
-    cap = MAX_REGISTERS[s_pre > 0 or order is not None, fp8]
-    _decode_kernel[(hkv, b, splits) if order is not None else (b, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, seq_lens if order is None else order,
-        float(scale), q.stride(0),
-        q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
+    ordered = order is not None
+    cap = MAX_REGISTERS[s_pre > 0 or ordered, fp8]
+    _decode_kernel[(hkv, b, splits) if ordered else (b, hkv, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, order if ordered else seq_lens,
+        float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, PTX=ptx, **consts, num_warps=num_warps,
-        num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=order is not None,
+        num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered,
         **({"maxnreg": cap} if cap else {}), **pdl_args(q))
     return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
