@@ -12,7 +12,9 @@ asynct's contiguous cache. The table comes last.
 
 Columns: max|err| and rel (of the largest output) of the kernel path against the torch path;
 "vs asynct" the largest difference from the engine's output; ratio = plugin ms / asynct ms
-(one layer's forward: this step's K/V write plus attention). Exits 1 if any rel > --tol.
+(one layer's forward: this step's K/V write plus attention); "batch order ms" the plugin without
+its decode order (rows longest first from 64 decodes, as the engine takes them), whose output
+must be bit-identical. Exits 1 if any rel > --tol or the order changes a bit.
 """
 import argparse
 import os
@@ -136,15 +138,18 @@ def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iter
     sigma = (torch.rand(s.hq, generator=gen) + 0.5).to(device)
     params = attend.AsyncIParams(sigma, s.d ** -0.5, 3, True)
     outs, ms = {}, {}
-    for path in (kernel_path, "torch"):
-        md = attend.build_metadata(cm, path, s.block_size, s.hq)
+    # the builder's decode order (rows longest first from 64 decodes) and, the peer, batch order
+    for variant, order in ((kernel_path, attend.DecodeOrder(len(q_lens), device)), ("batch order", None),
+                           ("torch", None)):
+        path = kernel_path if variant == "batch order" else variant
+        md = attend.build_metadata(cm, path, s.block_size, s.hq, order=order)
         out = torch.zeros_like(x["q"])
         layer_cache = cache.clone()  # each path writes this step's K/V itself
 
         def plugin(md=md, out=out, layer_cache=layer_cache):
             attend.forward(x["q"], x["k"], x["v"], layer_cache, md, params, out)
-        ms[path] = timed(plugin, iters, device, graph=path != "torch")
-        outs[path] = out
+        ms[variant] = timed(plugin, iters, device, graph=path != "torch")
+        outs[variant] = out
 
     # asynct's engine on the same batch, in its own contiguous [2, NB, BS, Hkv, D] cache.
     engine_cache = attend.as_ops_layout(cache).contiguous()
@@ -158,9 +163,10 @@ def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iter
     err = (outs[kernel_path].float() - ref).abs().max().item()
     rel = err / max(ref.abs().max().item(), 1e-6)
     engine_err = (engine_out.float() - outs[kernel_path].float()).abs().max().item()
+    order_err = (outs["batch order"].float() - outs[kernel_path].float()).abs().max().item()
     return dict(case=name, seqs=len(q_lens), tokens=cm.num_actual_tokens, err=err, rel=rel,
-                engine_err=engine_err, plugin=ms[kernel_path], asynct=ms["asynct"],
-                torch=ms["torch"])
+                engine_err=engine_err, order_err=order_err, plugin=ms[kernel_path], asynct=ms["asynct"],
+                torch=ms["torch"], unordered=ms["batch order"])
 
 
 def patch_interpreter_scalars():
@@ -200,14 +206,14 @@ def main():
           f"and vs asynct's engine attention; {dtype}, Hq={shape.hq} Hkv={shape.hkv} "
           f"D={shape.d} block={shape.block_size}, {iters} iters, {device}")
     print(f"{'case':8} {'seqs':>5} {'tokens':>6} {'max|err|':>9} {'rel':>8} {'vs asynct':>9} "
-          f"{'plugin ms':>9} {'asynct ms':>9} {'ratio':>6} {'torch ms':>9}  ok")
+          f"{'plugin ms':>9} {'asynct ms':>9} {'ratio':>6} {'torch ms':>9} {'batch order ms':>14}  ok")
     ok = True
     for r in rows:
-        good = r["rel"] <= a.tol
+        good = r["rel"] <= a.tol and r["order_err"] == 0    # the order moves rows, not sums
         ok &= good
         print(f"{r['case']:8} {r['seqs']:5d} {r['tokens']:6d} {r['err']:9.2e} {r['rel']:8.1e} "
               f"{r['engine_err']:9.2e} {r['plugin']:9.3f} {r['asynct']:9.3f} "
-              f"{r['plugin'] / r['asynct']:6.2f} {r['torch']:9.3f}  {'yes' if good else 'NO'}")
+              f"{r['plugin'] / r['asynct']:6.2f} {r['torch']:9.3f} {r['unordered']:14.3f}  {'yes' if good else 'NO'}")
     if a.smoke:
         print("smoke: interpreted kernels against CPU references; the times measure nothing")
     sys.exit(0 if ok else 1)

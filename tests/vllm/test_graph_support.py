@@ -26,6 +26,7 @@ def vllm_config(head_size=64, mode=CUDAGraphMode.FULL_AND_PIECEWISE, device="cud
         compilation_config=SimpleNamespace(cudagraph_mode=mode,
                                            max_cudagraph_capture_size=MAX_GRAPH_BATCH),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
+        scheduler_config=SimpleNamespace(max_num_seqs=MAX_GRAPH_BATCH * 2),
         speculative_config=None)
 
 

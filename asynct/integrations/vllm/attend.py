@@ -21,8 +21,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
+from asynct.attention import triton_backend
+from asynct.attention.graph_inputs import longest_first
 from asynct.integrations.vllm import paged_torch
 from asynct.ops import (asynci_decode, asynci_decode_triton, asynci_prefill, asynci_prefill_triton,
                         write_kv_cache, write_kv_cache_ref, write_kv_cache_triton)
@@ -95,15 +98,55 @@ class AsyncTAttentionMetadata:
     slot_mapping: torch.Tensor     # [T] int64, negative = padding
     path: str
     groups: list | None = None     # paged_torch.plan(), for the "torch" path
+    decode_order: torch.Tensor | None = None   # int32 [num_decodes]: DecodeOrder.send
+
+
+class DecodeOrder:
+    """The decode rows longest first, as asynct's engine takes them from
+    `triton_backend.DECODE_ORDER_MIN_ROWS` sequences: the decode kernel then ends a batch of uneven
+    lengths on short rows filling the SMs, not on a few long ones alone (H200: the kernel 1.08-1.34x
+    at 64-256 rows of 100-2,048 keys). The order lives in one persistent device buffer, which a
+    CUDA graph captured with an ordered decode reads at every replay, whatever the step's batch:
+    so the buffer always holds a permutation of all its rows (the step's decodes longest first, the
+    rest in place), and a step that is not ordered puts it back to the identity."""
+
+    def __init__(self, max_rows: int, device):
+        self.max_rows, self.device = max_rows, torch.device(device)
+        self.buffer = None      # allocated by the first ordered step, then never moved
+        self.ordered = False    # whether the buffer holds anything but the identity
+
+    def send(self, upper_bounds, num_decodes: int) -> torch.Tensor | None:
+        """The order of the first `num_decodes` rows by their host upper bounds of the lengths
+        (vLLM's `seq_lens_cpu_upper_bound`, CUDA-graph padding rows included), or None."""
+        rows = self.max_rows
+        if upper_bounds is None or not triton_backend.DECODE_ORDER_MIN_ROWS <= num_decodes <= rows:
+            if self.ordered:
+                self._write(np.arange(rows, dtype=np.int32))
+                self.ordered = False
+            return None
+        lens = np.zeros(num_decodes, dtype=np.int64)
+        given = np.asarray(upper_bounds[:num_decodes])
+        lens[:len(given)] = given
+        self._write(longest_first(lens, rows))
+        self.ordered = True
+        return self.buffer[:num_decodes]
+
+    def _write(self, order: np.ndarray):
+        if self.buffer is None:
+            self.buffer = torch.empty(self.max_rows, dtype=torch.int32, device=self.device)
+        host = torch.from_numpy(order)
+        # pinned blocks come back from torch's caching host allocator only after their copy ran
+        self.buffer.copy_(host.pin_memory() if self.buffer.is_cuda else host, non_blocking=True)
 
 
 def build_metadata(cm, path: str, block_size: int, num_heads: int,
-                   graph_max_seq_len: int | None = None) -> AsyncTAttentionMetadata:
+                   graph_max_seq_len: int | None = None, order: DecodeOrder | None = None) -> AsyncTAttentionMetadata:
     """From vLLM's CommonAttentionMetadata `cm`. Its device tensors are slices of the model
     runner's persistent buffers; the kernel paths keep those slices (no new tensors), so a CUDA
     graph captured over them reads each replay's values. `graph_max_seq_len`, for batches that
     may be replayed in a graph, replaces the step's longest sequence as the decode grid's
-    bound: the split count must be the one captured."""
+    bound: the split count must be the one captured. `order` (the builder's, kernel paths only)
+    sends the decode rows' order for this step."""
     n, b = cm.num_actual_tokens, cm.num_reqs
     qsl_cpu = cm.query_start_loc_cpu
     nd = num_decodes(qsl_cpu, b, cm.max_query_len)
@@ -118,7 +161,8 @@ def build_metadata(cm, path: str, block_size: int, num_heads: int,
         max_seq_len=cm.max_seq_len, prefill_max_seq_len=prefill_bound,
         decode_max_seq_len=graph_max_seq_len if nd == b and graph_max_seq_len else decode_bound,
         query_start_loc=cm.query_start_loc[:b + 1], seq_lens=seq_lens, block_table=block_table,
-        slot_mapping=cm.slot_mapping[:n], path=path, groups=groups)
+        slot_mapping=cm.slot_mapping[:n], path=path, groups=groups,
+        decode_order=order.send(getattr(cm, "seq_lens_cpu_upper_bound", None), nd) if order else None)
 
 
 def _subset_bounds(cm, nd: int, b: int) -> tuple[int, int]:
@@ -158,7 +202,7 @@ def forward(query, key, value, kv_cache, m: AsyncTAttentionMetadata, p: AsyncIPa
     nd = m.num_decodes
     if nd:  # request i of the decodes is query row i
         kern.decode(q[:nd], paged, m.block_table[:nd], m.seq_lens[:nd], *args, out[:nd],
-                    max_seq_len=m.decode_max_seq_len)
+                    max_seq_len=m.decode_max_seq_len, order=m.decode_order)
     if nd < m.num_reqs:
         # query_start_loc[nd:] holds absolute rows of q: no rebased copy per step.
         kern.prefill(q, paged, m.block_table[nd:], m.query_start_loc[nd:], m.seq_lens[nd:],

@@ -87,6 +87,9 @@ class AsyncTAttentionMetadataBuilder(AttentionMetadataBuilder[AsyncTAttentionMet
         if self.path != "torch" and _full_decode_graphs(vllm_config):
             self.graph_max_seq_len = vllm_config.model_config.max_model_len
             self.graph_max_reqs = vllm_config.compilation_config.max_cudagraph_capture_size or 0
+        # rows a step (or a graph's padded batch) may have: the order buffer holds them all
+        max_rows = max(vllm_config.scheduler_config.max_num_seqs, self.graph_max_reqs)
+        self.order = attend.DecodeOrder(max_rows, device) if self.path != "torch" else None
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -102,7 +105,7 @@ class AsyncTAttentionMetadataBuilder(AttentionMetadataBuilder[AsyncTAttentionMet
         graphable = cm.max_query_len <= 1 and cm.num_reqs <= self.graph_max_reqs
         STATS["builds"] += 1
         return attend.build_metadata(cm, self.path, self.block_size, self.num_heads,
-                                     self.graph_max_seq_len if graphable else None)
+                                     self.graph_max_seq_len if graphable else None, self.order)
 
 
 class AsyncTAttentionImpl(AttentionImpl[AsyncTAttentionMetadata]):
