@@ -13,7 +13,6 @@ from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampling_profile import sample_dummy_rows
 from asynct.ops.argmax import warmup_argmax
-from asynct.ops.fused_gemm import warmup_gemm_reglu
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -98,8 +97,8 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
         without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        small decode steps, then the attention variants none can reach, the prefill-sized
-        gate/up GEMM, the penalties' and the argmax's kernels."""
+        small decode steps, then the attention variants none can reach, the penalties' and the
+        argmax's kernels."""
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -116,7 +115,6 @@ class RunnerStartup:
             self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
                                                   self.model.cos_sin_cache, write_kv=False)
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
-        warmup_gemm_reglu(self.model.layers[0].gate_up_proj.weight)
         warmup_penalties(self.config.vocab_size, self.device)
         warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)

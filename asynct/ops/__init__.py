@@ -9,7 +9,6 @@ from asynct.ops.argmax import argmax, argmax_ref, argmax_triton
 from asynct.ops.asynci_decode import asynci_decode, asynci_decode_triton
 from asynct.ops.asynci_prefill import asynci_prefill, asynci_prefill_triton
 from asynct.ops.dyht import dyht, dyht_add, dyht_add_ref, dyht_add_triton, dyht_ref, dyht_triton
-from asynct.ops.fused_gemm import FUSED_GEMM_MIN_ROWS, gemm_reglu
 from asynct.ops.fused_linear import (GEMV_MAX_ROWS, ROW_TILES, SMALL_M, linear_dyht_add, linear_dyht_add_unfused,
                                       linear_dyht_add_triton, linear_qk_norm_rope,
                                       linear_qk_norm_rope_unfused, linear_qk_norm_rope_triton,
@@ -28,7 +27,6 @@ __all__ = [
     "asynci_decode", "asynci_decode_ref", "asynci_decode_triton",
     "asynci_prefill", "asynci_prefill_ref", "asynci_prefill_triton",
     "dyht", "dyht_add", "dyht_add_ref", "dyht_add_triton", "dyht_ref", "dyht_triton",
-    "FUSED_GEMM_MIN_ROWS", "gemm_reglu",
     "GEMV_MAX_ROWS", "ROW_TILES", "SMALL_M", "linear_dyht_add", "linear_dyht_add_unfused", "linear_dyht_add_triton",
     "linear_qk_norm_rope", "linear_qk_norm_rope_unfused", "linear_qk_norm_rope_triton",
     "linear_reglu", "linear_reglu_unfused", "linear_reglu_triton",

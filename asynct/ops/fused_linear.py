@@ -15,7 +15,6 @@ import torch.nn.functional as F
 from asynct.ops._triton import pdl_args, triton
 from asynct.ops.asynci_common import scale_args, sm_count
 from asynct.ops.dyht import _param_stride, dyht_add, output_buffer
-from asynct.ops.fused_gemm import FUSED_GEMM_MIN_ROWS, gemm_reglu, gemm_reglu_supported
 from asynct.ops.fused_linear_checks import (SMALL_M, cache_problem, check, head_dim_problem,  # noqa: F401
                                             operands_problem, residual_problem, sums_problem)
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
@@ -259,13 +258,9 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
 
 
 def linear_reglu(x, weight):
-    """relu(gate) * up of `x @ weight.T` (weight = [gate; up]): decode-sized batches by the fused
-    linear, prefill-sized ones by the fused GEMM (fused_gemm.py), the rest unfused."""
-    if _fast(x, weight) and weight.shape[0] % 2 == 0:
-        return linear_reglu_triton(x, weight)
-    if x.shape[0] >= FUSED_GEMM_MIN_ROWS and gemm_reglu_supported(x, weight):
-        return gemm_reglu(x, weight)
-    return linear_reglu_unfused(x, weight)
+    """relu(gate) * up of `x @ weight.T` (weight = [gate; up])."""
+    fn = linear_reglu_triton if _fast(x, weight) and weight.shape[0] % 2 == 0 else linear_reglu_unfused
+    return fn(x, weight)
 
 
 def linear_dyht_add(x, weight, residual, alpha, dyht_weight, post_alpha=None, post_weight=None, out=None):
