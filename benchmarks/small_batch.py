@@ -19,9 +19,9 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    kernel keeps the compiler's register counts (no caps: try --batches 128), one whose small
    decode steps write split partials and sum them (no fp32 sums), one whose fused linears stop
    at 32 rows (try --batches 40,48,64), one whose decode takes its rows in batch order, not
-   longest first (try --uneven 100,2048: contexts of 100-2,048 keys, not 384 each), one whose
-   elementwise kernels past SMALL_M rows launch plainly (no PDL), and one without fused linears,
-   against the step's roofline: weights + KV read once at the copy bandwidth."""
+   longest first (try --uneven 100,2048: contexts of 100-2,048 keys, not 384 each), and one
+   without fused linears, against the step's roofline: weights + KV read once at the copy
+   bandwidth."""
 import argparse
 import contextlib
 import gc
@@ -43,8 +43,6 @@ from asynct.ops import _triton, fused_linear as fl, fused_linear_checks
 from asynct.ops.rope import rope_cos_sin_cache
 
 dec = importlib.import_module("asynct.ops.asynci_decode")   # the module: ops re-exports a function of its name
-# the modules of the elementwise ops (ops re-exports functions of these names too)
-elementwise = [importlib.import_module(f"asynct.ops.{m}") for m in ("dyht", "reglu", "rope")]
 C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
 BF = torch.bfloat16
 
@@ -114,19 +112,6 @@ def row_order():
     """Decode rows in batch order at every batch size (before 2026-12-04): the same-run peer of
     the rows longest first (DECODE_ORDER_MIN_ROWS); try --uneven 100,2048 --batches 64,128,256."""
     return mock.patch.object(triton_backend, "DECODE_ORDER_MIN_ROWS", 1 << 30)
-
-
-@contextlib.contextmanager
-def no_elementwise_pdl():
-    """The elementwise kernels after cuBLAS past SMALL_M rows (DyHT add, ReGLU, q/k DyHT + RoPE)
-    launched plainly (before 2026-12-04): the same-run peer of their programmatic dependent
-    launch; try --batches 96,128,256."""
-    def off(t, wanted=True):
-        return dict(PDL=False, launch_pdl=False)
-    with contextlib.ExitStack() as stack:
-        for module in elementwise:
-            stack.enter_context(mock.patch.object(module, "pdl_args", off))
-        yield
 
 
 def fused_to_32():
@@ -244,7 +229,7 @@ def engine_steps(model, mode, batches, context):
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
          "no decode caps": no_decode_caps, "no decode sums": no_decode_sums, "fused to 32": fused_to_32,
-         "row order": row_order, "no elementwise PDL": no_elementwise_pdl,
+         "row order": row_order,
          "fused": contextlib.nullcontext}
 
 

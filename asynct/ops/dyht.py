@@ -4,7 +4,7 @@ The kernels read 3-D strided views ([tokens, heads, head_dim] narrow views of th
 output) directly: a `.contiguous()` copy costs as much as the op itself."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, tl, triton
 
 
 def output_buffer(out, shape, dtype, device, name="out"):
@@ -91,8 +91,7 @@ def dyht_triton(x, alpha, weight):
 @_jit(do_not_specialize=["T"])
 def _dyht_add_kernel(y_ptr, res_ptr, hid_ptr, out_ptr, a_ptr, w_ptr, pa_ptr, pw_ptr, T, C,
                      sa, sw, spa, spw, HAS_RES: tl.constexpr, HAS_POST: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < C
@@ -134,7 +133,7 @@ def dyht_add_triton(y, residual, alpha, weight, post_alpha=None, post_weight=Non
         _param_stride(alpha, c, "alpha"), _param_stride(weight, c, "weight"),
         _param_stride(pa, c, "post_alpha"), _param_stride(pw, c, "post_weight"),
         HAS_RES=residual is not None, HAS_POST=has_post, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=8, **pdl_args(y))
+        num_warps=8)
     return hidden, normed
 
 

@@ -1,7 +1,7 @@
 """ReGLU: `relu(gate) * up` over the fused gate_up projection, one pass."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, tl, triton
 
 
 def reglu_ref(gate_up):
@@ -10,8 +10,7 @@ def reglu_ref(gate_up):
 
 
 @_jit(do_not_specialize=["T"])
-def _reglu_kernel(x_ptr, out_ptr, T, I, sx, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+def _reglu_kernel(x_ptr, out_ptr, T, I, sx, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < T) & (cols[None, :] < I)
@@ -34,7 +33,7 @@ def reglu_triton(gate_up):
     block_r = max(1, 4096 // block_c)
     grid = (triton.cdiv(t, block_r), triton.cdiv(i, block_c))
     _reglu_kernel[grid](gate_up, out, t, i, gate_up.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
-                        num_warps=8, **pdl_args(gate_up))
+                        num_warps=8)
     return out
 
 

@@ -4,7 +4,7 @@ The fused kernel reads q and k straight from their strided views of the QKV outp
 DyHT per head vector and rotates in fp32: one read and one write per element."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, pow2, tl, triton
 from asynct.ops.dyht import output_buffer
 
 
@@ -67,8 +67,7 @@ def _norm_rope_heads(x_ptr, out_ptr, t0, T, pos_ptr, cs_ptr, sx0, sx1, a_ptr, w_
 def _qk_rope_kernel(q_ptr, qo_ptr, k_ptr, ko_ptr, pos_ptr, cs_ptr, T, sq0, sq1, sk0, sk1,
                     qa_ptr, qw_ptr, ka_ptr, kw_ptr, sqa, sqw, ska, skw, HQ, HK,
                     HALF: tl.constexpr, HQ_PAD: tl.constexpr, HK_PAD: tl.constexpr,
-                    BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr, PDL: tl.constexpr):
-    wait_for_prior(PDL)
+                    BLOCK_T: tl.constexpr, HAS_NORM: tl.constexpr):
     t0 = tl.program_id(0) * BLOCK_T
     if tl.program_id(1) == 0:
         _norm_rope_heads(q_ptr, qo_ptr, t0, T, pos_ptr, cs_ptr, sq0, sq1, qa_ptr, qw_ptr, sqa, sqw,
@@ -113,7 +112,7 @@ def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2, out=(None
         q, qo, k, ko, positions, cos_sin_cache.contiguous(), t, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), qa, qw, ka, kw, *strides, hq, k.shape[1], HALF=d // 2,
         HQ_PAD=hq_pad, HK_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_T=block_t,
-        HAS_NORM=has_norm, num_warps=4, **pdl_args(q))
+        HAS_NORM=has_norm, num_warps=4)
     return qo, ko
 
 
