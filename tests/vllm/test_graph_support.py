@@ -13,6 +13,7 @@ if not HAVE_VLLM:
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
 
+from asynct.attention import triton_backend  # noqa: E402
 from asynct.integrations.vllm.backend import AsyncTAttentionMetadataBuilder  # noqa: E402
 
 MAX_MODEL_LEN, MAX_GRAPH_BATCH = 4096, 8
@@ -70,3 +71,19 @@ def test_torch_path_declares_no_graphs(head_size, device):
     assert builder(cfg).path == "torch"
     support = AsyncTAttentionMetadataBuilder.get_cudagraph_support(cfg, None)
     assert support == AttentionCGSupport.NEVER
+
+
+def test_the_builder_sends_large_decode_batches_longest_first(monkeypatch):
+    """The builder's DecodeOrder holds every row a step or a captured graph may have, and build()
+    sends the order from vLLM's host upper bounds (the triton path runs on CPU tensors)."""
+    monkeypatch.setenv("ASYNCT_VLLM_ATTN", "triton")
+    monkeypatch.setattr(triton_backend, "DECODE_ORDER_MIN_ROWS", 4)
+    b = builder(vllm_config(device="cpu"))
+    assert b.order.max_rows == 2 * MAX_GRAPH_BATCH      # max_num_seqs, past the largest capture
+    batch = decode_batch(5)
+    batch.seq_lens_cpu_upper_bound = torch.tensor([7, 40, 9, 40, 12], dtype=torch.int32)
+    assert b.build(0, batch).decode_order.tolist() == [1, 3, 4, 2, 0]
+    small = decode_batch(3)
+    small.seq_lens_cpu_upper_bound = torch.tensor([7, 40, 9], dtype=torch.int32)
+    assert b.build(0, small).decode_order is None     # below the threshold: batch order
+    assert b.order.buffer.tolist() == list(range(2 * MAX_GRAPH_BATCH))    # what a captured graph reads
