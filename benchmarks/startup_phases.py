@@ -5,14 +5,16 @@ compiled in it. Run it on an empty Triton cache to see a new user's first start:
 
 All compiles belong in the parallel compile pass (`compile_ahead`); a phase that is slow on an
 empty cache and fast on a warm one without compiling anything is building launchers or loading
-modules (benchmarks/RESULTS.md, eighth session)."""
+modules (benchmarks/RESULTS.md, eighth session). Last, each compile's seconds (Triton's `compile`,
+cache hits included), the longest ones, and how much of the pass they overlapped."""
 import sys
+import threading
 import time
 
 from asynct import LLM
 from asynct.engine import cuda_graph, model_runner, piecewise_graph
 
-PHASE, LOG = ["init"], []
+PHASE, LOG, COMPILES = ["init"], [], []   # COMPILES: (kernel, start s, seconds)
 
 
 def phased(name, fn):
@@ -27,7 +29,34 @@ def phased(name, fn):
     return wrapped
 
 
+def time_compiles():
+    """Wraps triton.compiler.compile (each JITFunction binds it at its first launch)."""
+    import triton.compiler as tc
+    real, t_start = tc.compile, time.perf_counter()
+
+    def timed(src, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(src, *args, **kwargs)
+        finally:
+            COMPILES.append((getattr(src, "name", "?"), t0 - t_start, time.perf_counter() - t0,
+                             threading.get_ident()))
+    tc.compile = timed
+
+
+def compile_report():
+    if not COMPILES:
+        return
+    first, last = min(c[1] for c in COMPILES), max(c[1] + c[2] for c in COMPILES)
+    busy = sum(c[2] for c in COMPILES)
+    print(f"{len(COMPILES)} compile calls over {last - first:.1f} s of wall, {busy:.1f} s summed "
+          f"({busy / max(last - first, 1e-9):.1f} at once on average), {len({c[3] for c in COMPILES})} threads")
+    for name, start, secs, _ in sorted(COMPILES, key=lambda c: -c[2])[:8]:
+        print(f"  {secs:5.2f} s from {start - first:5.2f} s  {name}")
+
+
 def instrument():
+    time_compiles()
     runner = model_runner.ModelRunner
     for attr, name in (("_compile_ahead", "compile_ahead"), ("profile_activation_memory", "profile"),
                        ("_warmup", "warmup")):
@@ -52,6 +81,7 @@ def main(model):
         phases.setdefault(phase, []).append(name)
     for phase, names in phases.items():
         print(f"  {phase}: {len(names)} compiles ({', '.join(sorted(set(names)))})")
+    compile_report()
 
 
 if __name__ == "__main__":
