@@ -14,7 +14,7 @@ import time
 from asynct import LLM
 from asynct.engine import cuda_graph, model_runner, piecewise_graph
 
-PHASE, LOG, COMPILES = ["init"], [], []   # COMPILES: (kernel, start s, seconds)
+PHASE, LOG, COMPILES = ["init"], [], []   # COMPILES: (kernel, start s, seconds, thread)
 
 
 def phased(name, fn):

@@ -124,10 +124,7 @@ class DecodeOrder:
                 self._write(np.arange(rows, dtype=np.int32))
                 self.ordered = False
             return None
-        lens = np.zeros(num_decodes, dtype=np.int64)
-        given = np.asarray(upper_bounds[:num_decodes])
-        lens[:len(given)] = given
-        self._write(longest_first(lens, rows))
+        self._write(longest_first(np.asarray(upper_bounds[:num_decodes]), rows))
         self.ordered = True
         return self.buffer[:num_decodes]
 
