@@ -637,3 +637,26 @@ def test_prompt_keys_take_their_own_types(llm_shared):
     assert "prompt_token_ids is a list" in text.error and "'prompt' is a string" in ids.error
     same = llm_shared.generate([{"prompt_token_ids": (1, 2)}, {"prompt_token_ids": [1, 2]}], GREEDY, use_tqdm=False)
     assert same[0].outputs[0].token_ids == same[1].outputs[0].token_ids and same[0].error is None
+
+
+def test_the_compile_pass_runs_one_layer_of_each_signature():
+    """The compile pass launches one layer of each signature (runner_startup._compile_ahead):
+    a layer whose norm or whose next norm has another alpha shape compiles other kernels."""
+    from asynct.attention import get_backend_cls
+    from asynct.config import preset_config
+    from asynct.model.engine_model import AsyncTEngineModel
+    config = preset_config("tiny", num_hidden_layers=5)
+    c = config.hidden_size
+    config.dyht_shapes = {"model.layers.2.input_layernorm.alpha": c,       # layer 1's next norm
+                          "model.layers.3.post_attention_layernorm.alpha": c}
+    model = AsyncTEngineModel(config, get_backend_cls("torch").get_impl_cls())
+    assert model.distinct_layers() == [0, 1, 3]
+    layers, nexts, first = list(model.layers), model.next_norms, model.input_norms[0]
+    with pytest.raises(RuntimeError), model.only_layers([0, 1, 3]):
+        assert list(model.layers) == [layers[0], layers[1], layers[3]]
+        assert model.next_norms == [nexts[0], nexts[1], nexts[3]]
+        assert model.input_norms[0] is first       # the embedding's norm
+        raise RuntimeError
+    assert list(model.layers) == layers and model.next_norms == nexts
+    config.dyht_shapes = {}
+    assert AsyncTEngineModel(config, get_backend_cls("torch").get_impl_cls()).distinct_layers() == [0]

@@ -84,11 +84,12 @@ class RunnerStartup:
 
     def _compile_ahead(self):
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
-        Triton cache: one by one, they were most of the engine's start-up)."""
+        Triton cache: one by one, they were most of the engine's start-up), through one layer of
+        each signature: the other layers' launches would compile nothing new."""
         from asynct.ops._triton import compile_only, triton
         if triton is None:
             return
-        with compile_only(os.cpu_count() or 4):
+        with compile_only(os.cpu_count() or 4), self.model.only_layers(self.model.distinct_layers()):
             self.allocate_kv_cache(-(-WARMUP_TOKENS // self.block_size), capture=False)
             self._warmup()
         self._release_kv_cache()

@@ -1,6 +1,8 @@
 """The engine's AsyncT: the same function as the reference model, built from the fused ops, over a
 flat token batch. Per-step attention metadata comes from the context, so forward is
 (input_ids, positions) only."""
+import contextlib
+
 import torch
 from torch import nn
 
@@ -119,6 +121,35 @@ class AsyncTEngineModel(nn.Module):
     def next_norms(self) -> list:
         """The norm that follows each layer: the next layer's input norm, then the final one."""
         return list(self.input_norms[1:]) + [self.norm]
+
+    def layer_signature(self, i: int) -> tuple:
+        """What layer i's kernels specialise on: the shapes, strides and dtypes of its tensors
+        and of the norm after it (a checkpoint may give norms of different layers different
+        alpha shapes)."""
+        layer = self.layers[i]
+        tensors = [*layer.parameters(), *layer.buffers(), *self.next_norms[i].parameters()]
+        return tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+
+    def distinct_layers(self) -> list[int]:
+        """The first layer of each signature: together they launch every kernel the model does."""
+        first = {}
+        for i in range(len(self.layers)):
+            first.setdefault(self.layer_signature(i), i)
+        return sorted(first.values())
+
+    @contextlib.contextmanager
+    def only_layers(self, keep: list[int]):
+        """Inside, forward runs layers `keep` alone, each followed by its own next norm: the
+        compile pass, whose launches only compile, needs one layer of each signature, and its
+        launches from Python are what it waits on (the compiler threads share the GIL)."""
+        saved, after = (self.layers, self.input_norms, self.norm), self.next_norms
+        self.layers = nn.ModuleList(saved[0][i] for i in keep)
+        self.input_norms = nn.ModuleList([saved[1][0], *(after[i] for i in keep[:-1])])
+        self.norm = after[keep[-1]]
+        try:
+            yield
+        finally:
+            self.layers, self.input_norms, self.norm = saved
 
     def embed(self, input_ids):
         """(residual stream, its first layer's input norm) of the tokens."""
