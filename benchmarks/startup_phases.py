@@ -6,7 +6,8 @@ compiled in it. Run it on an empty Triton cache to see a new user's first start:
 All compiles belong in the parallel compile pass (`compile_ahead`); a phase that is slow on an
 empty cache and fast on a warm one without compiling anything is building launchers or loading
 modules (benchmarks/RESULTS.md, eighth session). Last, each compile's seconds (Triton's `compile`,
-cache hits included), the longest ones, and how much of the pass they overlapped."""
+cache hits included), the longest ones, and how much of the pass they overlapped. `--profile`:
+where the compile pass's own thread (its warm-up launches) spends its time, by cProfile."""
 import sys
 import threading
 import time
@@ -55,9 +56,23 @@ def compile_report():
         print(f"  {secs:5.2f} s from {start - first:5.2f} s  {name}")
 
 
-def instrument():
+def profiled(fn):
+    def wrapped(*args, **kwargs):
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        try:
+            return prof.runcall(fn, *args, **kwargs)
+        finally:
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    return wrapped
+
+
+def instrument(profile=False):
     time_compiles()
     runner = model_runner.ModelRunner
+    if profile:
+        runner._compile_ahead = profiled(runner._compile_ahead)
     for attr, name in (("_compile_ahead", "compile_ahead"), ("profile_activation_memory", "profile"),
                        ("_warmup", "warmup")):
         setattr(runner, attr, phased(name, getattr(runner, attr)))
@@ -71,8 +86,8 @@ def instrument():
     knobs.runtime.jit_post_compile_hook = lambda *a, **kw: LOG.append(("/".join(PHASE), kw["fn"].name))
 
 
-def main(model):
-    instrument()
+def main(model, profile=False):
+    instrument(profile)
     t0 = time.perf_counter()
     LLM(model, gpu_memory_utilization=0.45)
     print(f"engine ready in {time.perf_counter() - t0:.1f} s, {len(LOG)} Triton compiles")
@@ -85,4 +100,4 @@ def main(model):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--profile" in sys.argv[2:])

@@ -62,6 +62,27 @@ def test_compile_only_builds_the_launchers(tmp_path, monkeypatch):
 
 
 @gpu
+def test_compile_only_hashes_a_specialisation_once(tmp_path, monkeypatch):
+    """Inside compile_only a repeated launch finds its pending compile in the kernel cache
+    (the warm-up launches each kernel from every layer and step): Triton's compile path, which
+    hashes the kernel's source, runs once a specialisation, and the kernel runs after the pass."""
+    from triton import knobs
+    from asynct.ops._triton import compile_only
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    _plus_one.device_caches.clear()
+    keys = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda *a, **kw: keys.append(str(kw["key"])))
+    x = torch.zeros(8, device="cuda")
+    with compile_only(2):
+        for _ in range(3):
+            _plus_one[(1,)](x, 8, BLOCK=16)
+        _plus_one[(1,)](x, 8, BLOCK=32)
+    assert len(keys) == len(set(keys)) == 2 and x.eq(0).all()
+    _plus_one[(1,)](x, 8, BLOCK=16)
+    assert x.eq(1).all()
+
+
+@gpu
 @pytest.mark.parametrize("eager", [False, True])
 def test_nothing_compiles_after_start_up(gqa_ckpt, eager, monkeypatch):
     """Eager too: graph capture compiles what it meets before the counter starts, so only an

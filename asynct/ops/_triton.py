@@ -102,21 +102,30 @@ def compile_only(workers: int):
     run beside each other)."""
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.jit import JITFunction
-    run = JITFunction.run
+    run, do_compile = JITFunction.run, JITFunction._do_compile
 
     def compile_instead(self, *args, grid, warmup, **kwargs):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    def submit_once(self, key, signature, device, *args):
+        # the pending compile stands in the kernel cache (the pass's end replaces it with the
+        # kernel; a launch finding it there waits for it): Triton adds a kernel there only then,
+        # so every later launch of the same specialisation hashed the kernel's source again
+        kernel = do_compile(self, key, signature, device, *args)
+        if kernel is not None:
+            self.device_caches[device][0][key] = kernel
+        return kernel
 
     class CompileAndLink(AsyncCompileMode):
         def submit(self, key, compile_fn, finalize_fn):
             return super().submit(key, lambda: with_launcher(compile_fn()), finalize_fn)
 
-    JITFunction.run = compile_instead
+    JITFunction.run, JITFunction._do_compile = compile_instead, submit_once
     try:
         with ThreadPoolExecutor(workers) as pool, CompileAndLink(pool):
             yield
     finally:
-        JITFunction.run = run
+        JITFunction.run, JITFunction._do_compile = run, do_compile
         # a failed compile raises out of AsyncCompileMode's exit before it clears itself, and
         # every later engine in the process would then refuse to start
         from triton.runtime._async_compile import active_mode
