@@ -5,9 +5,11 @@ compiled in it. Run it on an empty Triton cache to see a new user's first start:
 
 All compiles belong in the parallel compile pass (`compile_ahead`); a phase that is slow on an
 empty cache and fast on a warm one without compiling anything is building launchers or loading
-modules (benchmarks/RESULTS.md, eighth session). Last, each compile's seconds (Triton's `compile`,
-cache hits included), the longest ones, and how much of the pass they overlapped. `--profile`:
-where the compile pass's own thread (its warm-up launches) spends its time, by cProfile."""
+modules (benchmarks/RESULTS.md, eighth session). Last, the compiles (Triton's `compile` in this
+process, cache hits included; each compile in a worker process) and the launcher builds: their
+span, seconds summed, how many ran at once, the longest. `--profile`: the compile pass under
+cProfile (from Python 3.12 it sees every thread, the compile threads' too)."""
+import os
 import sys
 import threading
 import time
@@ -15,7 +17,12 @@ import time
 from asynct import LLM
 from asynct.engine import cuda_graph, model_runner, piecewise_graph
 
-PHASE, LOG, COMPILES = ["init"], [], []   # COMPILES: (kernel, start s, seconds, thread)
+PHASE, LOG = ["init"], []
+# (kernel, start s, seconds, thread or process) of each Triton compile in this process (cache
+# hits when compile processes ran first), each compile in a worker process, each launcher built
+CALLS = {"compile": [], "process compile": [], "launcher": []}
+T0 = time.perf_counter()     # CLOCK_MONOTONIC: the same clock in the forked compile processes
+PROCESS_LOG = f"/tmp/startup_phases_{os.getpid()}.log"
 
 
 def phased(name, fn):
@@ -30,30 +37,54 @@ def phased(name, fn):
     return wrapped
 
 
-def time_compiles():
-    """Wraps triton.compiler.compile (each JITFunction binds it at its first launch)."""
-    import triton.compiler as tc
-    real, t_start = tc.compile, time.perf_counter()
-
-    def timed(src, *args, **kwargs):
+def timed(kind, fn, name_of):
+    def wrapped(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return real(src, *args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
-            COMPILES.append((getattr(src, "name", "?"), t0 - t_start, time.perf_counter() - t0,
-                             threading.get_ident()))
-    tc.compile = timed
+            CALLS[kind].append((name_of(*args), t0 - T0, time.perf_counter() - t0, threading.get_ident()))
+    return wrapped
+
+
+def in_process(*args):
+    """_compile_to_disk in a worker process: its time goes to a file the parent reads."""
+    t0 = time.perf_counter()
+    try:
+        return REAL_COMPILE_TO_DISK(*args)
+    finally:
+        with open(PROCESS_LOG, "a") as f:
+            f.write(f"{args[1]} {t0 - T0} {time.perf_counter() - t0} {os.getpid()}\n")
+
+
+def time_compiles():
+    """Wraps triton.compiler.compile (each JITFunction binds it at its first launch), the
+    worker processes' compiles and the launcher builds."""
+    global REAL_COMPILE_TO_DISK
+    import triton.compiler as tc
+    from asynct.ops import _triton
+    tc.compile = timed("compile", tc.compile, lambda src, *a: getattr(src, "name", "?"))
+    _triton.with_launcher = timed("launcher", _triton.with_launcher, lambda k: getattr(k, "name", "?"))
+    REAL_COMPILE_TO_DISK = getattr(_triton, "_compile_to_disk", None)   # None: a tree without processes
+    if REAL_COMPILE_TO_DISK is not None:
+        in_process.__module__, in_process.__qualname__ = _triton.__name__, "_compile_to_disk"   # pickled by name
+        _triton._compile_to_disk = in_process
 
 
 def compile_report():
-    if not COMPILES:
-        return
-    first, last = min(c[1] for c in COMPILES), max(c[1] + c[2] for c in COMPILES)
-    busy = sum(c[2] for c in COMPILES)
-    print(f"{len(COMPILES)} compile calls over {last - first:.1f} s of wall, {busy:.1f} s summed "
-          f"({busy / max(last - first, 1e-9):.1f} at once on average), {len({c[3] for c in COMPILES})} threads")
-    for name, start, secs, _ in sorted(COMPILES, key=lambda c: -c[2])[:8]:
-        print(f"  {secs:5.2f} s from {start - first:5.2f} s  {name}")
+    if os.path.exists(PROCESS_LOG):
+        with open(PROCESS_LOG) as f:
+            CALLS["process compile"] = [(n, float(a), float(b), p) for n, a, b, p in (ln.split() for ln in f)]
+        os.remove(PROCESS_LOG)
+    for kind, calls in CALLS.items():
+        if not calls:
+            continue
+        first, last = min(c[1] for c in calls), max(c[1] + c[2] for c in calls)
+        busy = sum(c[2] for c in calls)
+        print(f"{len(calls)} {kind} calls from {first:.1f} to {last:.1f} s, {busy:.1f} s summed "
+              f"({busy / max(last - first, 1e-9):.1f} at once on average), {len({c[3] for c in calls})} threads/processes")
+        for name, start, secs, _ in sorted(calls, key=lambda c: -c[2])[:5]:
+            print(f"  {secs:5.2f} s from {start:5.2f} s  {name}")
 
 
 def profiled(fn):

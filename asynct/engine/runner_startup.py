@@ -96,10 +96,11 @@ class RunnerStartup:
 
     @torch.inference_mode()
     def _warmup(self):
-        """Every kernel compiles now, not in the middle of serving: forwards and QKV calls
-        without the KV store (what a piecewise graph's small pieces run) of warmup_token_counts,
-        small decode steps, then the attention variants none can reach, the penalties' and the
-        argmax's kernels."""
+        """Every kernel compiles now, not in the middle of serving: the attention variants no
+        forward reaches (first: in the compile pass, the longest compiles start first), forwards
+        and QKV calls without the KV store (what a piecewise graph's small pieces run) of
+        warmup_token_counts, small decode steps, the penalties' and the argmax's kernels."""
+        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         forwards, no_store = warmup_token_counts()
         for n in forwards:
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -115,7 +116,6 @@ class RunnerStartup:
             x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
                                                   self.model.cos_sin_cache, write_kv=False)
-        self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         warmup_penalties(self.config.vocab_size, self.device)
         warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)

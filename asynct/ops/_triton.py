@@ -3,6 +3,7 @@ still evaluate, and every op falls back to its torch reference."""
 import contextlib
 import functools
 import os
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 try:
@@ -94,12 +95,46 @@ def with_launcher(kernel):
     return kernel
 
 
+def _compile_to_disk(module, name, signature, constexprs, attrs, target, options):
+    """One compile in a worker process: it lands in Triton's on-disk cache, where the compile
+    pass's own compile of the same kernel then finds it."""
+    import importlib
+    from triton.compiler import ASTSource, compile
+    kernel = getattr(importlib.import_module(module), name)
+    compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options)
+
+
+# seconds a compile thread waits for its process (a compile takes 0.3-2 s) before compiling
+# itself: a child that hangs delays the start, never stops it
+PROCESS_COMPILE_TIMEOUT = 60
+
+
+@contextlib.contextmanager
+def compile_processes(workers: int):
+    """Worker processes forked from this one (its modules already imported), or None where
+    fork is not available. They fork at the first submit, from the one thread that launches,
+    before any compile thread exists (Python warns of forking a process with threads: CUDA's
+    own are there; a child only compiles, and one that hangs times out)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        yield None
+        return
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 @contextlib.contextmanager
 def compile_only(workers: int):
-    """Inside, a kernel launch only compiles (nothing runs) and the compiles, each with its
-    launcher (`with_launcher`), go to a thread pool; all are done on exit. Running a warm-up
-    pass in here first overlaps the compiles (the compiler's subprocesses and native passes
-    run beside each other)."""
+    """Inside, a kernel launch only compiles (nothing runs): each compile goes to a worker
+    process, then to a thread that loads it from the disk cache and builds its launcher
+    (`with_launcher`); all are done on exit. Running a warm-up pass in here overlaps the
+    compiles. In threads alone, the compiler's Python shared the GIL with every other compile
+    and with the warm-up's launches: 16 threads ran ~10 compiles at once, each ~3x slower than
+    alone (H200 host, benchmarks/RESULTS.md). A process that fails leaves its compile to the thread."""
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.jit import JITFunction
     run, do_compile = JITFunction.run, JITFunction._do_compile
@@ -107,22 +142,37 @@ def compile_only(workers: int):
     def compile_instead(self, *args, grid, warmup, **kwargs):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
-    def submit_once(self, key, signature, device, *args):
+    def submit_once(self, key, signature, device, constexprs, options, attrs, warmup):
+        if procs is not None:
+            with warnings.catch_warnings():   # the first submit forks: see compile_processes
+                warnings.simplefilter("ignore", DeprecationWarning)
+                mode.job = procs.submit(_compile_to_disk, self.fn.__module__, self.fn.__name__, signature,
+                                        constexprs, attrs, self.device_caches[device][2], options.__dict__)
         # the pending compile stands in the kernel cache (the pass's end replaces it with the
         # kernel; a launch finding it there waits for it): Triton adds a kernel there only then,
         # so every later launch of the same specialisation hashed the kernel's source again
-        kernel = do_compile(self, key, signature, device, *args)
+        kernel = do_compile(self, key, signature, device, constexprs, options, attrs, warmup)
+        mode.job = None     # taken by CompileAndLink.submit, unless Triton had this compile already
         if kernel is not None:
             self.device_caches[device][0][key] = kernel
         return kernel
 
     class CompileAndLink(AsyncCompileMode):
+        job = None
+
         def submit(self, key, compile_fn, finalize_fn):
-            return super().submit(key, lambda: with_launcher(compile_fn()), finalize_fn)
+            job, self.job = self.job, None
+
+            def compile_and_link():
+                if job is not None:
+                    with contextlib.suppress(Exception):
+                        job.result(timeout=PROCESS_COMPILE_TIMEOUT)
+                return with_launcher(compile_fn())
+            return super().submit(key, compile_and_link, finalize_fn)
 
     JITFunction.run, JITFunction._do_compile = compile_instead, submit_once
     try:
-        with ThreadPoolExecutor(workers) as pool, CompileAndLink(pool):
+        with ThreadPoolExecutor(workers) as pool, compile_processes(workers) as procs, CompileAndLink(pool) as mode:
             yield
     finally:
         JITFunction.run, JITFunction._do_compile = run, do_compile
