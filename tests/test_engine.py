@@ -660,3 +660,12 @@ def test_the_compile_pass_runs_one_layer_of_each_signature():
     assert list(model.layers) == layers and model.next_norms == nexts
     config.dyht_shapes = {}
     assert AsyncTEngineModel(config, get_backend_cls("torch").get_impl_cls()).distinct_layers() == [0]
+
+
+@pytest.mark.parametrize("cores, workers", [(1, 1), (12, 12), (200, 32)])
+def test_the_compile_pass_takes_the_cores_it_may_run_on(monkeypatch, cores, workers):
+    import os
+    from asynct.engine import runner_startup
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 999)
+    assert runner_startup.compile_workers() == workers

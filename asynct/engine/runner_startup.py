@@ -40,6 +40,14 @@ def warmup_decode_counts() -> list[int]:
     return list(range(1, ops.GEMV_MAX_ROWS + 1))
 
 
+def compile_workers() -> int:
+    """Compile processes (and threads) for the compile pass: the cores this process may run on
+    (a container's affinity, not the host's count), at most 32 (a bench-0.6b start compiles 55
+    kernels; each process is forked whether it gets one or not)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 4
+    return max(1, min(cores, 32))
+
+
 class RunnerStartup:
     """ModelRunner's start-up methods; they read its config, device, dtype, model, backend and
     block sizes."""
@@ -89,7 +97,7 @@ class RunnerStartup:
         from asynct.ops._triton import compile_only, triton
         if triton is None:
             return
-        with compile_only(os.cpu_count() or 4), self.model.only_layers(self.model.distinct_layers()):
+        with compile_only(compile_workers()), self.model.only_layers(self.model.distinct_layers()):
             self.allocate_kv_cache(-(-WARMUP_TOKENS // self.block_size), capture=False)
             self._warmup()
         self._release_kv_cache()
