@@ -41,34 +41,57 @@ def forget_compiled_kernels():
                     obj.device_caches.clear()
 
 
-def _plus_one_source(x_ptr, n, BLOCK: tl.constexpr):
+@jit
+def _plus_one(x_ptr, n, BLOCK: tl.constexpr):   # this test's own: nothing else compiled it
     i = tl.arange(0, BLOCK)
     tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
 
 
-_plus_one = jit(_plus_one_source)   # this test's own: nothing else compiled it
+KERNEL_MODULE = """
+import triton
+import triton.language as tl
 
 
-def test_a_compile_process_leaves_the_kernel_in_the_disk_cache(tmp_path, monkeypatch):
+@triton.jit
+def plus_one(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+"""
+
+DISK_CACHE_CHECK = """
+import pathlib
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from asynct.ops._triton import _compile_to_disk, compile_processes
+import kernel_module
+def written():
+    return {f: f.stat().st_mtime_ns for f in pathlib.Path(sys.argv[1]).rglob("*") if f.is_file()}
+spec = ({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16}, {(0,): [["tt.divisibility", 16]]})
+target, options = GPUTarget("cuda", 90, 32), {"num_warps": 1}
+with compile_processes(2) as procs:
+    procs.submit(_compile_to_disk, "kernel_module", "plus_one", *spec, target, options).result()
+before = written()
+name = compile(ASTSource(kernel_module.plus_one, *spec), target=target, options=options).name
+print(name, any(f.suffix == ".cubin" for f in before), written() == before)
+"""
+
+
+def test_a_compile_process_leaves_the_kernel_in_the_disk_cache(tmp_path):
     """compile_only's worker processes compile into Triton's disk cache (here for sm_90: no GPU
-    needed), where the pass's own compile of the kernel then loads it: nothing is written again."""
+    needed), where the pass's own compile of the kernel then loads it: nothing is written again.
+    In a fresh interpreter: the interpreted tests of this session patch Triton's language."""
+    import os
+    import subprocess
+    import sys
     pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile
-    from triton.runtime.jit import JITFunction
-    from asynct.ops._triton import _compile_to_disk, compile_processes
-    global _plus_one_compiled   # compiled, not interpreted (the tests set TRITON_INTERPRET)
-    _plus_one_compiled = JITFunction(_plus_one_source)
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    spec = ({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16}, {(0,): [["tt.divisibility", 16]]})
-    target, options = GPUTarget("cuda", 90, 32), {"num_warps": 1}
-    with compile_processes(2) as procs:
-        procs.submit(_compile_to_disk, __name__, "_plus_one_compiled", *spec, target, options).result()
-    written = {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*") if f.is_file()}
-    assert any(f.suffix == ".cubin" for f in written)
-    kernel = compile(ASTSource(_plus_one_compiled, *spec), target=target, options=options)
-    assert kernel.name == "_plus_one_source"
-    assert {f: f.stat().st_mtime_ns for f in tmp_path.rglob("*") if f.is_file()} == written
+    (tmp_path / "kernel_module.py").write_text(KERNEL_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
+    out = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", DISK_CACHE_CHECK,
+                          str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300)
+    # the kernel compiled, the process left a cubin, the parent's compile wrote nothing
+    assert out.stdout.split() == ["plus_one", "True", "True"], out.stderr[-2000:]
 
 
 @gpu
