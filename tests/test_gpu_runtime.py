@@ -94,6 +94,24 @@ def test_a_compile_process_leaves_the_kernel_in_the_disk_cache(tmp_path):
     assert out.stdout.split() == ["plus_one", "True", "True"], out.stderr[-2000:]
 
 
+def _processes_in_a_daemon(conn):
+    from asynct.ops._triton import compile_processes
+    with compile_processes(2) as procs:
+        conn.send(procs is None)
+
+
+def test_a_daemonic_process_compiles_in_threads():
+    """The server's engine process is daemonic, and Python lets such a process have no
+    children: its compile pass gets no processes (its threads compile) instead of failing."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_processes_in_a_daemon, args=(child,), daemon=True)
+    proc.start()
+    assert parent.poll(120) and parent.recv() is True
+    proc.join(30)
+
+
 @gpu
 def test_compile_only_builds_the_launchers(tmp_path, monkeypatch):
     """On an empty Triton cache, compile_only leaves the kernel's launcher built (a

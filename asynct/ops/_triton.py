@@ -112,12 +112,14 @@ PROCESS_COMPILE_TIMEOUT = 60
 @contextlib.contextmanager
 def compile_processes(workers: int):
     """Worker processes forked from this one (its modules already imported), or None where
-    fork is not available. They fork at the first submit, from the one thread that launches,
-    before any compile thread exists (Python warns of forking a process with threads: CUDA's
-    own are there; a child only compiles, and one that hangs times out)."""
+    fork is not available or this process may have no children (a daemonic one: the server's
+    engine process). They fork at the first submit, from the one thread that launches, before
+    any compile thread exists (Python warns of forking a process with threads: CUDA's own are
+    there; a child only compiles, and one that hangs times out)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if (workers < 2 or "fork" not in multiprocessing.get_all_start_methods()
+            or multiprocessing.current_process().daemon):
         yield None
         return
     pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
@@ -143,11 +145,15 @@ def compile_only(workers: int):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
     def submit_once(self, key, signature, device, constexprs, options, attrs, warmup):
+        nonlocal procs
         if procs is not None:
-            with warnings.catch_warnings():   # the first submit forks: see compile_processes
-                warnings.simplefilter("ignore", DeprecationWarning)
-                mode.job = procs.submit(_compile_to_disk, self.fn.__module__, self.fn.__name__, signature,
-                                        constexprs, attrs, self.device_caches[device][2], options.__dict__)
+            try:
+                with warnings.catch_warnings():   # the first submit forks: see compile_processes
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    mode.job = procs.submit(_compile_to_disk, self.fn.__module__, self.fn.__name__, signature,
+                                            constexprs, attrs, self.device_caches[device][2], options.__dict__)
+            except Exception:   # noqa: BLE001  (no processes after all: the threads compile)
+                procs = None
         # the pending compile stands in the kernel cache (the pass's end replaces it with the
         # kernel; a launch finding it there waits for it): Triton adds a kernel there only then,
         # so every later launch of the same specialisation hashed the kernel's source again
@@ -170,9 +176,11 @@ def compile_only(workers: int):
                 return with_launcher(compile_fn())
             return super().submit(key, compile_and_link, finalize_fn)
 
+    procs = None
     JITFunction.run, JITFunction._do_compile = compile_instead, submit_once
     try:
-        with ThreadPoolExecutor(workers) as pool, compile_processes(workers) as procs, CompileAndLink(pool) as mode:
+        with ThreadPoolExecutor(workers) as pool, compile_processes(workers) as processes, CompileAndLink(pool) as mode:
+            procs = processes
             yield
     finally:
         JITFunction.run, JITFunction._do_compile = run, do_compile
