@@ -56,6 +56,12 @@ def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def copy_from_host(dst: torch.Tensor, data: np.ndarray):
+    """host_to_device into an existing tensor (a graph's static buffer), without waiting."""
+    src = torch.from_numpy(data)
+    dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
+
+
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
 

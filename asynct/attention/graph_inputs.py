@@ -11,7 +11,7 @@ Rows past the step's are empty sequences: length 0, slot -1, position 0; the row
 import numpy as np
 import torch
 
-from asynct.attention.base import StepInputs
+from asynct.attention.base import StepInputs, copy_from_host
 
 # (name, dtype, one entry or one a row); each part starts 16-byte aligned: Triton specialises a
 # pointer on its 16-byte alignment
@@ -64,10 +64,7 @@ class GraphStepInputs:
         if order is not None:
             part["decode_order"][:len(order)] = order
         host[self.table_offset:] = table.reshape(-1).view(np.uint8)
-        source = torch.from_numpy(host)
-        if self.buffer.is_cuda:     # from torch's caching host allocator: reused only after its copy ran
-            source = source.pin_memory()
-        self.buffer[:host.nbytes].copy_(source, non_blocking=True)
+        copy_from_host(self.buffer[:host.nbytes], host)
         staged = self.buffer[self.table_offset:host.nbytes].view(torch.int32).view(n, width)
         self.block_table[:n, :width].copy_(staged, non_blocking=True)
 

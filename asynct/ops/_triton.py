@@ -176,11 +176,9 @@ def compile_only(workers: int):
                 return with_launcher(compile_fn())
             return super().submit(key, compile_and_link, finalize_fn)
 
-    procs = None
     JITFunction.run, JITFunction._do_compile = compile_instead, submit_once
     try:
-        with ThreadPoolExecutor(workers) as pool, compile_processes(workers) as processes, CompileAndLink(pool) as mode:
-            procs = processes
+        with ThreadPoolExecutor(workers) as pool, compile_processes(workers) as procs, CompileAndLink(pool) as mode:
             yield
     finally:
         JITFunction.run, JITFunction._do_compile = run, do_compile

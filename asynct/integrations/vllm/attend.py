@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from asynct.attention import triton_backend
+from asynct.attention.base import copy_from_host
 from asynct.attention.graph_inputs import longest_first
 from asynct.integrations.vllm import paged_torch
 from asynct.ops import (asynci_decode, asynci_decode_triton, asynci_prefill, asynci_prefill_triton,
@@ -131,9 +132,7 @@ class DecodeOrder:
     def _write(self, order: np.ndarray):
         if self.buffer is None:
             self.buffer = torch.empty(self.max_rows, dtype=torch.int32, device=self.device)
-        host = torch.from_numpy(order)
-        # pinned blocks come back from torch's caching host allocator only after their copy ran
-        self.buffer.copy_(host.pin_memory() if self.buffer.is_cuda else host, non_blocking=True)
+        copy_from_host(self.buffer, order)
 
 
 def build_metadata(cm, path: str, block_size: int, num_heads: int,
@@ -152,21 +151,21 @@ def build_metadata(cm, path: str, block_size: int, num_heads: int,
     groups = None
     if path == "torch":
         groups = paged_torch.plan(qsl_cpu[:b + 1], seq_lens, block_table, block_size, num_heads)
-    decode_bound, prefill_bound = _subset_bounds(cm, nd, b)
+    upper = getattr(cm, "seq_lens_cpu_upper_bound", None)    # vLLM's per-row host bounds, where it gives them
+    decode_bound, prefill_bound = _subset_bounds(cm, nd, b, upper)
     return AsyncTAttentionMetadata(
         num_actual_tokens=n, num_reqs=b, num_decodes=nd, max_query_len=cm.max_query_len,
         max_seq_len=cm.max_seq_len, prefill_max_seq_len=prefill_bound,
         decode_max_seq_len=graph_max_seq_len if nd == b and graph_max_seq_len else decode_bound,
         query_start_loc=cm.query_start_loc[:b + 1], seq_lens=seq_lens, block_table=block_table,
         slot_mapping=cm.slot_mapping[:n], path=path, groups=groups,
-        decode_order=order.send(getattr(cm, "seq_lens_cpu_upper_bound", None), nd) if order else None)
+        decode_order=order.send(upper, nd) if order else None)
 
 
-def _subset_bounds(cm, nd: int, b: int) -> tuple[int, int]:
+def _subset_bounds(cm, nd: int, b: int, upper) -> tuple[int, int]:
     """Host bounds of the keys of the decode rows and of the prefill rows. The batch's longest
     sequence bounds both, but a long decode would then make the prefill plan split keys it need
-    not (and the reverse): vLLM's per-row host upper bound, where it gives one, separates them."""
-    upper = getattr(cm, "seq_lens_cpu_upper_bound", None)
+    not (and the reverse): vLLM's per-row host upper bound `upper`, where it gives one, separates them."""
     if upper is None:
         return cm.max_seq_len, cm.max_seq_len
     rows = upper[:b].tolist()
