@@ -97,7 +97,8 @@ def with_launcher(kernel):
 
 def _compile_to_disk(module, name, signature, constexprs, attrs, target, options):
     """One compile in a worker process: it lands in Triton's on-disk cache, where the compile
-    pass's own compile of the same kernel then finds it."""
+    pass's own compile of the same kernel then finds it. (Its launcher built here too, the
+    pass ran 1.08x slower: the workers are its longest path; benchmarks/RESULTS.md.)"""
     import importlib
     from triton.compiler import ASTSource, compile
     kernel = getattr(importlib.import_module(module), name)
@@ -109,24 +110,55 @@ def _compile_to_disk(module, name, signature, constexprs, attrs, target, options
 PROCESS_COMPILE_TIMEOUT = 60
 
 
+def _die_with(parent: int):
+    """A compile worker's first act: it ends with the process that forked it, also one killed or
+    leaving by os._exit (the server's engine process, when its front end goes), which never shuts
+    its pool down."""
+    import ctypes
+    import signal
+    with contextlib.suppress(Exception):   # Linux only; elsewhere the pool's own shutdown ends it
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(0)
+
+
+@contextlib.contextmanager
+def _as_parent(process):
+    """Python refuses a daemonic process children (the server's engine process is one) only
+    because it would not wait for them at its exit; compile workers die with it (_die_with)."""
+    daemon = process._config.pop("daemon", False)
+    try:
+        yield
+    finally:
+        if daemon:
+            process._config["daemon"] = daemon
+
+
 @contextlib.contextmanager
 def compile_processes(workers: int):
-    """Worker processes forked from this one (its modules already imported), or None where
-    fork is not available or this process may have no children (a daemonic one: the server's
-    engine process). They fork at the first submit, from the one thread that launches, before
-    any compile thread exists (Python warns of forking a process with threads: CUDA's own are
-    there; a child only compiles, and one that hangs times out)."""
+    """Worker processes forked from this one (its modules already imported), or None where fork
+    is not available. They fork here, before any compile thread exists (Python warns of forking a
+    process with threads: CUDA's own are there; a child only compiles, and one that hangs times
+    out), and end with this process, daemonic or not."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
-    if (workers < 2 or "fork" not in multiprocessing.get_all_start_methods()
-            or multiprocessing.current_process().daemon):
+    if workers < 2 or "fork" not in multiprocessing.get_all_start_methods():
         yield None
         return
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_die_with, initargs=(os.getpid(),))
+    try:
+        with _as_parent(multiprocessing.current_process()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pool.submit(int)     # a fork pool starts all its workers at its first submit
+    except Exception:   # noqa: BLE001  (no processes after all: the threads compile)
+        pool.shutdown(wait=False)
+        pool = None
     try:
         yield pool
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 @contextlib.contextmanager
@@ -148,10 +180,8 @@ def compile_only(workers: int):
         nonlocal procs
         if procs is not None:
             try:
-                with warnings.catch_warnings():   # the first submit forks: see compile_processes
-                    warnings.simplefilter("ignore", DeprecationWarning)
-                    mode.job = procs.submit(_compile_to_disk, self.fn.__module__, self.fn.__name__, signature,
-                                            constexprs, attrs, self.device_caches[device][2], options.__dict__)
+                mode.job = procs.submit(_compile_to_disk, self.fn.__module__, self.fn.__name__, signature,
+                                        constexprs, attrs, self.device_caches[device][2], options.__dict__)
             except Exception:   # noqa: BLE001  (no processes after all: the threads compile)
                 procs = None
         # the pending compile stands in the kernel cache (the pass's end replaces it with the
