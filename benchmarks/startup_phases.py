@@ -61,14 +61,18 @@ def time_compiles():
     """Wraps triton.compiler.compile (each JITFunction binds it at its first launch), the
     worker processes' compiles and the launcher builds."""
     global REAL_COMPILE_TO_DISK
+    import importlib
     import triton.compiler as tc
-    from asynct.ops import _triton
+    try:
+        passes = importlib.import_module("asynct.ops.compile_pass")
+    except ImportError:     # a tree before compile_pass.py (a same-run peer): _triton held it
+        passes = importlib.import_module("asynct.ops._triton")
     tc.compile = timed("compile", tc.compile, lambda src, *a: getattr(src, "name", "?"))
-    _triton.with_launcher = timed("launcher", _triton.with_launcher, lambda k: getattr(k, "name", "?"))
-    REAL_COMPILE_TO_DISK = getattr(_triton, "_compile_to_disk", None)   # None: a tree without processes
+    passes.with_launcher = timed("launcher", passes.with_launcher, lambda k: getattr(k, "name", "?"))
+    REAL_COMPILE_TO_DISK = getattr(passes, "_compile_to_disk", None)   # None: a tree without processes
     if REAL_COMPILE_TO_DISK is not None:
-        in_process.__module__, in_process.__qualname__ = _triton.__name__, "_compile_to_disk"   # pickled by name
-        _triton._compile_to_disk = in_process
+        in_process.__module__, in_process.__qualname__ = passes.__name__, "_compile_to_disk"   # pickled by name
+        passes._compile_to_disk = in_process
 
 
 def compile_report():

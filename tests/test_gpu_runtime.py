@@ -25,7 +25,7 @@ def gqa_ckpt(tmp_path_factory):
 
 def test_a_launcher_that_cannot_be_built_early_is_left_for_the_first_launch():
     """No CUDA driver here (or a Triton without launchers): the kernel comes back as it was."""
-    from asynct.ops._triton import with_launcher
+    from asynct.ops.compile_pass import with_launcher
     kernel = SimpleNamespace(src=None, metadata=None)
     assert with_launcher(kernel) is kernel
 
@@ -63,24 +63,29 @@ DISK_CACHE_CHECK = """
 import pathlib
 import sys
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile
-from asynct.ops._triton import _compile_to_disk, compile_processes
+from triton.compiler import ASTSource, compile, get_cache_key, make_backend
+from triton._C.libtriton import get_cache_invalidating_env_vars
+from asynct.ops.compile_pass import _compile_to_disk, _on_disk, compile_processes
 import kernel_module
 def written():
     return {f: f.stat().st_mtime_ns for f in pathlib.Path(sys.argv[1]).rglob("*") if f.is_file()}
 spec = ({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16}, {(0,): [["tt.divisibility", 16]]})
 target, options = GPUTarget("cuda", 90, 32), {"num_warps": 1}
+src, backend = ASTSource(kernel_module.plus_one, *spec), make_backend(target)
+key = get_cache_key(src, backend, backend.parse_options(options), get_cache_invalidating_env_vars())
+cold = _on_disk(key, "plus_one")
 with compile_processes(2) as procs:
     procs.submit(_compile_to_disk, "kernel_module", "plus_one", *spec, target, options).result()
 before = written()
 name = compile(ASTSource(kernel_module.plus_one, *spec), target=target, options=options).name
-print(name, any(f.suffix == ".cubin" for f in before), written() == before)
+print(name, any(f.suffix == ".cubin" for f in before), written() == before, cold, _on_disk(key, "plus_one"))
 """
 
 
 def test_a_compile_process_leaves_the_kernel_in_the_disk_cache(tmp_path):
     """compile_only's worker processes compile into Triton's disk cache (here for sm_90: no GPU
-    needed), where the pass's own compile of the kernel then loads it: nothing is written again.
+    needed), where the pass's own compile of the kernel then loads it: nothing is written again;
+    `_on_disk` (no workers on a warm cache) finds it there.
     In a fresh interpreter: the interpreted tests of this session patch Triton's language."""
     import os
     import subprocess
@@ -91,13 +96,14 @@ def test_a_compile_process_leaves_the_kernel_in_the_disk_cache(tmp_path):
     env.update(TRITON_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
     out = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", DISK_CACHE_CHECK,
                           str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300)
-    # the kernel compiled, the process left a cubin, the parent's compile wrote nothing
-    assert out.stdout.split() == ["plus_one", "True", "True"], out.stderr[-2000:]
+    # the kernel compiled, the process left a cubin, the parent's compile wrote nothing, and
+    # the disk lookup that decides whether workers fork missed it before and finds it after
+    assert out.stdout.split() == ["plus_one", "True", "True", "False", "True"], out.stderr[-2000:]
 
 
 def _processes_in_a_daemon(conn):
     import os
-    from asynct.ops._triton import compile_processes
+    from asynct.ops.compile_pass import compile_processes
     with compile_processes(2) as procs:
         conn.send(sorted({procs.submit(os.getpid).result(timeout=60) for _ in range(8)} - {os.getpid()}))
         os._exit(0)     # as the engine process leaves when its front end goes: no pool shutdown
@@ -137,7 +143,7 @@ def test_a_daemonic_process_compiles_in_processes_that_end_with_it():
 def test_compile_only_builds_the_launchers(tmp_path, monkeypatch):
     """On an empty Triton cache, compile_only leaves the kernel's launcher built (a
     `__triton_launcher` module in the cache) before its first launch, which then runs."""
-    from asynct.ops._triton import compile_only
+    from asynct.ops.compile_pass import compile_only
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     x = torch.zeros(8, device="cuda")
     with compile_only(2):
@@ -153,7 +159,7 @@ def test_compile_only_hashes_a_specialisation_once(tmp_path, monkeypatch):
     (the warm-up launches each kernel from every layer and step): Triton's compile path, which
     hashes the kernel's source, runs once a specialisation, and the kernel runs after the pass."""
     from triton import knobs
-    from asynct.ops._triton import compile_only
+    from asynct.ops.compile_pass import compile_only
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     _plus_one.device_caches.clear()
     keys = []
@@ -169,6 +175,24 @@ def test_compile_only_hashes_a_specialisation_once(tmp_path, monkeypatch):
 
 
 @gpu
+def test_compile_only_forks_workers_for_an_empty_cache_only(tmp_path, monkeypatch):
+    """The workers fork at the pass's first compile that Triton's disk cache lacks; a second
+    start on the same cache (nothing compiled in its memory yet) forks none."""
+    from asynct.ops import compile_pass
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    forks, real = [], compile_pass.compile_processes
+    monkeypatch.setattr(compile_pass, "compile_processes", lambda workers: forks.append(workers) or real(workers))
+    x = torch.zeros(8, device="cuda")
+    for _ in range(2):
+        _plus_one.device_caches.clear()
+        with compile_pass.compile_only(2):
+            _plus_one[(1,)](x, 8, BLOCK=64)
+    assert forks == [2]
+    _plus_one[(1,)](x, 8, BLOCK=64)
+    assert x.eq(1).all()
+
+
+@gpu
 @pytest.mark.parametrize("eager", [False, True])
 def test_nothing_compiles_after_start_up(gqa_ckpt, eager, monkeypatch):
     """Eager too: graph capture compiles what it meets before the counter starts, so only an
@@ -176,7 +200,7 @@ def test_nothing_compiles_after_start_up(gqa_ckpt, eager, monkeypatch):
     Decodes take their rows longest first from 16 sequences here (DECODE_ORDER_MIN_ROWS), so
     that this engine's steps reach those variants too."""
     from asynct.attention import triton_backend
-    from asynct.ops._triton import CompileCounter
+    from asynct.ops.compile_pass import CompileCounter
     monkeypatch.setattr(triton_backend, "DECODE_ORDER_MIN_ROWS", 16)
     forget_compiled_kernels()
     llm = LLM(gqa_ckpt, max_num_seqs=64, max_num_batched_tokens=2048, gpu_memory_utilization=0.3,
@@ -212,7 +236,7 @@ def test_lazy_decode_graphs_wait_for_a_decode_and_change_no_token(gqa_ckpt):
     """Scoring prompts (lm-eval's loglikelihood) captures no decode graph; the first decode-only
     step captures them with live sequences in the cache, compiling nothing, and the tokens equal
     those of an engine that captured at start-up."""
-    from asynct.ops._triton import CompileCounter
+    from asynct.ops.compile_pass import CompileCounter
     prompts = [{"prompt_token_ids": list(range(1 + i, 40 + 13 * i))} for i in range(12)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
     outs = {}

@@ -94,7 +94,8 @@ class RunnerStartup:
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
         Triton cache: one by one, they were most of the engine's start-up), through one layer of
         each signature: the other layers' launches would compile nothing new."""
-        from asynct.ops._triton import compile_only, triton
+        from asynct.ops._triton import triton
+        from asynct.ops.compile_pass import compile_only
         if triton is None:
             return
         with compile_only(compile_workers()), self.model.only_layers(self.model.distinct_layers()):

@@ -16,7 +16,8 @@ from asynct.entrypoints.breakdown import breakdown, print_breakdown
 
 def _compiles(device):
     """Counts Triton compiles on CUDA (the interpreter compiles nothing)."""
-    from asynct.ops._triton import CompileCounter, triton
+    from asynct.ops._triton import triton
+    from asynct.ops.compile_pass import CompileCounter
     return CompileCounter() if device.type == "cuda" and triton is not None else contextlib.nullcontext()
 
 
