@@ -21,7 +21,6 @@ difference from the engine's output."""
 import argparse
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -116,31 +115,11 @@ def check():
         assert err < 1e-3, err
 
 
-def bench(fns, reps=20):
-    """Seconds a call: a CUDA graph of all fns (one per input set), replayed (kernel_bench.py's)."""
-    for f in fns:
-        f()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times) * 1e-3 / len(fns)
-
-
 VARIANTS = [dict(stages=s, warps=w) for s, w in ((2, 1), (3, 1), (4, 1), (3, 2), (4, 2), (3, 4))]
 
 
 def gpu_table():
+    from kernel_bench import bench     # a CUDA graph of one call per input set, replayed
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     hq, hkv, d, bs, bf = 8, 4, 128, 16, torch.bfloat16
