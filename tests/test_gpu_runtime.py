@@ -65,7 +65,7 @@ import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile, get_cache_key, make_backend
 from triton._C.libtriton import get_cache_invalidating_env_vars
-from asynct.ops.compile_pass import _compile_to_disk, _on_disk, compile_processes
+from asynct.ops.compile_pass import _cache_empty, _compile_to_disk, _on_disk, compile_processes
 import kernel_module
 def written():
     return {f: f.stat().st_mtime_ns for f in pathlib.Path(sys.argv[1]).rglob("*") if f.is_file()}
@@ -73,12 +73,12 @@ spec = ({"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"}, {"BLOCK": 16}, {(0
 target, options = GPUTarget("cuda", 90, 32), {"num_warps": 1}
 src, backend = ASTSource(kernel_module.plus_one, *spec), make_backend(target)
 key = get_cache_key(src, backend, backend.parse_options(options), get_cache_invalidating_env_vars())
-cold = _on_disk(key, "plus_one")
+cold = _cache_empty(), _on_disk(key, "plus_one")   # the first: the second makes its folder
 with compile_processes(2) as procs:
     procs.submit(_compile_to_disk, "kernel_module", "plus_one", *spec, target, options).result()
 before = written()
 name = compile(ASTSource(kernel_module.plus_one, *spec), target=target, options=options).name
-print(name, any(f.suffix == ".cubin" for f in before), written() == before, cold, _on_disk(key, "plus_one"))
+print(name, any(f.suffix == ".cubin" for f in before), written() == before, *cold, _cache_empty(), _on_disk(key, "plus_one"))
 """
 
 
@@ -97,8 +97,9 @@ def test_a_compile_process_leaves_the_kernel_in_the_disk_cache(tmp_path):
     out = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c", DISK_CACHE_CHECK,
                           str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=300)
     # the kernel compiled, the process left a cubin, the parent's compile wrote nothing, and
-    # the disk lookup that decides whether workers fork missed it before and finds it after
-    assert out.stdout.split() == ["plus_one", "True", "True", "False", "True"], out.stderr[-2000:]
+    # the lookups that decide whether workers fork (the cache empty, this kernel on disk) saw
+    # an empty cache and missed it before, and see neither after
+    assert out.stdout.split() == ["plus_one", "True", "True", "True", "False", "False", "True"], out.stderr[-2000:]
 
 
 def _processes_in_a_daemon(conn):

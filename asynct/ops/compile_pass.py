@@ -88,6 +88,12 @@ def compile_processes(workers: int):
             pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _cache_empty() -> bool:
+    """Triton's disk cache holds nothing (a fresh machine's): every compile will be a miss."""
+    from triton import knobs
+    return not os.path.isdir(knobs.cache.dir) or not any(os.scandir(knobs.cache.dir))
+
+
 def _on_disk(cache_key: str, name: str) -> bool:
     """Whether Triton's disk cache holds this compile, looked up as `triton.compiler.compile` does."""
     import hashlib
@@ -112,6 +118,8 @@ def compile_only(workers: int):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
     def submit_once(self, key, signature, device, constexprs, options, attrs, warmup):
+        if mode.procs is None and _cache_empty():   # fork before hashing the first kernel (0.4 s)
+            mode.start_workers()
         mode.pending = (self.fn.__module__, self.fn.__name__, signature, constexprs, attrs,
                         self.device_caches[device][2], options.__dict__)
         # the pending compile stands in the kernel cache (the pass's end replaces it with the
@@ -140,19 +148,24 @@ def compile_only(workers: int):
         def to_process(self, key):
             """A worker process's compile of the pending kernel, or None: Triton has it already,
             the disk cache has it, or there are no workers. They fork at the pass's first compile
-            if the disk cache lacks it, while no compile thread exists (one mid-compile could
-            leave a lock held in a child): a warm cache compiles in threads (16 workers forked
-            there for nothing: the pass 1.3-1.4 s against 0.9-1.0, H200)."""
+            if the disk cache lacks it (at its first launch if the cache is empty: hashing that
+            kernel first held them back 0.4 s), while no compile thread exists (one mid-compile
+            could leave a lock held in a child): a warm cache compiles in threads (16 workers
+            forked there for nothing: the pass 1.3-1.4 s against 0.9-1.1, H200)."""
             pending, self.pending = self.pending, None
             if pending is None or key in self.future_kernels or _on_disk(key, pending[1]):
                 return None
-            if self.procs is None:
-                self.procs = not self.raw_futures and stack.enter_context(compile_processes(workers)) or False
+            self.start_workers()
             try:
                 return self.procs.submit(_compile_to_disk, *pending) if self.procs else None
             except Exception:   # noqa: BLE001  (no processes after all: the threads compile)
                 self.procs = False
                 return None
+
+        def start_workers(self):
+            """Forks the workers, once, while no compile thread exists (else there are none)."""
+            if self.procs is None:
+                self.procs = not self.raw_futures and stack.enter_context(compile_processes(workers)) or False
 
     JITFunction.run, JITFunction._do_compile = compile_instead, submit_once
     try:
