@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime first-latency issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
+#   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -55,6 +55,10 @@ for s in $stages; do
     first-latency) # a fresh machine's first process: empty Triton cache, cold imports
              timeout 300 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown \
                --workloads latency,throughput --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" | tee $OUT/first.log ;;
+    startup) # engine starts on empty then warm Triton caches, in-process and as the server's engine process
+             C=$(mktemp -d); S=$(mktemp -d)
+             for c in $C $C; do TRITON_CACHE_DIR=$c timeout 200 python3 benchmarks/startup_phases.py $M 2>&1 | tee -a $OUT/startup.log; done
+             for c in $S $S; do TRITON_CACHE_DIR=$c timeout 200 python3 benchmarks/startup_phases.py $M --server 2>&1 | tee -a $OUT/startup.log; done ;;
     persistent) # the batch-1 prototype: every layer's MLP in one persistent CUDA kernel (grid barriers)
              # against the engine's fused Triton pair; a hang (a barrier that never opens) ends at the timeout
              timeout 150 python3 benchmarks/persistent_mlp.py 2>&1 | tee $OUT/persistent.log ;;

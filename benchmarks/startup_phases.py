@@ -1,14 +1,17 @@
 """Where an engine start's seconds go: each start-up phase's wall time and the Triton kernels
 compiled in it. Run it on an empty Triton cache to see a new user's first start:
 
-    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 benchmarks/startup_phases.py MODEL_DIR
+    TRITON_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 benchmarks/startup_phases.py MODEL_DIR [--server]
 
 All compiles belong in the parallel compile pass (`compile_ahead`); a phase that is slow on an
 empty cache and fast on a warm one without compiling anything is building launchers or loading
 modules (benchmarks/RESULTS.md, eighth session). Last, the compiles (Triton's `compile` in this
 process, cache hits included; each compile in a worker process) and the launcher builds: their
 span, seconds summed, how many ran at once, the longest. `--profile`: the compile pass under
-cProfile (from Python 3.12 it sees every thread, the compile threads' too)."""
+cProfile (from Python 3.12 it sees every thread, the compile threads' too). `--server`: the
+engine in its own daemonic process instead, as `asynct serve` and `data_parallel_size` > 1 start
+it: its start-up phases (no compile detail: they run in that process), then whether any of its
+processes (compile workers) outlived its shutdown."""
 import os
 import sys
 import threading
@@ -134,5 +137,40 @@ def main(model, profile=False):
     compile_report()
 
 
+def server(model):
+    """The server's path: DataParallelEngine of one engine process."""
+    import multiprocessing
+    from asynct.engine.data_parallel import DataParallelEngine
+    from asynct.engine.engine_args import EngineArgs
+    t0 = time.perf_counter()
+    engine = DataParallelEngine(EngineArgs(model=model, data_parallel_size=1, gpu_memory_utilization=0.45))
+    print(f"engine process ready in {time.perf_counter() - t0:.1f} s: " +
+          ", ".join(f"{k} {v:.2f} s" for k, v in engine.startup_seconds.items()))
+    family = descendants({p.pid for p in multiprocessing.active_children()})
+    engine.shutdown()
+    time.sleep(1)
+    left = [pid for pid in family if os.path.exists(f"/proc/{pid}")]
+    print(f"processes left after its shutdown: {left or 'none'} (of {len(family)})")
+
+
+def descendants(pids):
+    """`pids` and every process below them (Linux /proc; their parents read from each stat)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    found = set(pids)
+    while grown := {p for p, pp in parent.items() if pp in found} - found:
+        found |= grown
+    return found
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], "--profile" in sys.argv[2:])
+    if "--server" in sys.argv[2:]:
+        server(sys.argv[1])
+    else:
+        main(sys.argv[1], "--profile" in sys.argv[2:])
