@@ -99,7 +99,7 @@ def _on_disk(cache_key: str, name: str) -> bool:
     import hashlib
     from triton.runtime.cache import get_cache_manager
     group = get_cache_manager(hashlib.sha256(cache_key.encode("utf-8")).hexdigest()).get_group(f"{name}.json")
-    return bool(group) and f"{name}.json" in group
+    return f"{name}.json" in (group or {})
 
 
 @contextlib.contextmanager
@@ -118,8 +118,8 @@ def compile_only(workers: int):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
     def submit_once(self, key, signature, device, constexprs, options, attrs, warmup):
-        if mode.procs is None and _cache_empty():   # fork before hashing the first kernel (0.4 s)
-            mode.start_workers()
+        if mode.procs is None and not mode.raw_futures and _cache_empty():
+            mode.start_workers()    # before the pass's first compile hashes its kernel (0.4 s)
         mode.pending = (self.fn.__module__, self.fn.__name__, signature, constexprs, attrs,
                         self.device_caches[device][2], options.__dict__)
         # the pending compile stands in the kernel cache (the pass's end replaces it with the
