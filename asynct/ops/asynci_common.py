@@ -140,11 +140,18 @@ def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, 
     window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0).
     The cache as kv_operands gives it."""
     n = tl.arange(0, BLOCK_N)
-    keys = lo - BLOCK_N + n
-    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
-    k = load_kv_tile(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-    r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+    r_prev = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
+    # The halo tile only where keys precede lo: a row's first split (every row of a batch of
+    # 99+ sequences, one split each) skips its load and dot. In its own branch it also leaves
+    # the loop its registers: 110-128 a thread in every variant, not 124-162 (sm_90), so all fit
+    # four programs an SM uncapped. 256 rows x 600 keys 1.036x (H200, benchmarks/RESULTS.md)
+    if P > 1:
+        if (lo > 0) & (lo < hi):
+            keys = lo - BLOCK_N + n
+            kmask = (keys >= 0) & (keys >= lo - (P - 1))
+            k = load_kv_tile(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
     acc = tl.zeros([q.shape[0], D], dtype=tl.float32)
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n

@@ -5,7 +5,7 @@ Stage 1: a program per (sequence, KV head, split) scores its key range for all q
 the KV group at once (one K/V load serves them all), forms the causal pool from the previous
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
-those P-1 keys. Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
+those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
 simply add. A graph's split count is sized for its longest context; the splits past a shorter
 sequence's last key load no keys and store nothing, and the sum reads only the others.
 
