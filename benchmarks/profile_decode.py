@@ -7,6 +7,7 @@ graph gain measured cleanly (same engine, same sequences, warm, many steps each 
 import argparse
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -59,6 +60,21 @@ def kernel_summary(eng, steps=5):
     return wall, kernel, sorted(top.items(), key=lambda kv: -kv[1])[:12]
 
 
+def _layer_names(step):
+    """The kernels' names, a kernel that runs k times a layer numbered by its place there (o_proj
+    and down are both `linear_dyht_add`: #1 and #2), the layer count being the commonest count."""
+    names = [e.name[:60] for e in step]
+    counts = Counter(names)
+    layers = Counter(c for c in counts.values() if c >= 8).most_common(1)[0][0]
+    seen = Counter()
+    out = []
+    for n in names:
+        per = counts[n] // layers if counts[n] % layers == 0 else 1
+        out.append(f"{n[:56]} #{seen[n] % per + 1}" if per > 1 else n)
+        seen[n] += 1
+    return out
+
+
 def graph_timeline(eng, steps=20):
     """Graph-replayed steps from the profiler's kernel records: per kernel, its duration and its
     advance (the next kernel's start minus its own). Under PDL a kernel starts early and waits, so
@@ -68,18 +84,20 @@ def graph_timeline(eng, steps=20):
     events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                      and e.device_time > 0), key=lambda e: e.time_range.start)
     runs, cur = [], []
-    for e in events:    # a step starts with its embedding gather (the host may leave no gap)
-        if "indexSelect" in e.name and cur:
+    # the profile starts between steps: its first record (the embedding's gather, or an input
+    # copy) starts each step; the host may leave no gap between steps to split at
+    for e in events:
+        if e.name == events[0].name and cur:
             runs.append(cur)
             cur = []
         cur.append(e)
     runs = [r for r in runs if len(r) > 50][1:]     # whole steps only
     rows = {}
     for r in runs:
-        for a, b in zip(r, r[1:] + [None]):
-            n, dur, adv = rows.get(a.name[:60], (0, 0.0, 0.0))
-            rows[a.name[:60]] = (n + 1, dur + a.device_time,
-                                 adv + (b or a).time_range.start - a.time_range.start + (0 if b else a.device_time))
+        for a, b, name in zip(r, r[1:] + [None], _layer_names(r)):
+            n, dur, adv = rows.get(name, (0, 0.0, 0.0))
+            rows[name] = (n + 1, dur + a.device_time,
+                          adv + (b or a).time_range.start - a.time_range.start + (0 if b else a.device_time))
     span = sum(r[-1].time_range.end - r[0].time_range.start for r in runs) / len(runs)
     print(f"graph steps: {len(runs)}, {len(runs[0])} kernels and copies a step, span {span:.1f} us")
     print(f"{'kernel':60s} {'a step':>6s} {'dur us':>7s} {'advance us':>10s} {'a step us':>9s}")
@@ -87,8 +105,8 @@ def graph_timeline(eng, steps=20):
         print(f"{name:60s} {n / len(runs):6.0f} {dur / n:7.2f} {adv / n:10.2f} {adv / len(runs):9.1f}")
     step = runs[len(runs) // 2]
     print("one step's kernels outside the layers, in order (advance us):")
-    for i, (a, b) in enumerate(zip(step, step[1:] + [None])):
-        if rows[a.name[:60]][0] < len(runs) * 8:      # fewer than 8 a step: not a layer's
+    for i, (a, b, name) in enumerate(zip(step, step[1:] + [None], _layer_names(step))):
+        if rows[name][0] < len(runs) * 8:      # fewer than 8 a step: not a layer's
             adv = (b.time_range.start if b else a.time_range.end) - a.time_range.start
             print(f"  {i:4d} {a.name[:70]:70s} {adv:7.2f}")
 
