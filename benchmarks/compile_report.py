@@ -96,10 +96,8 @@ def decode_reports():
                                              (False, False, True), (True, False, True)):
             consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True, ACCUMULATE=accumulate,
                           ORDERED=ordered)
-            cap = dec.MAX_REGISTERS[cascade or ordered, fp8]
             yield (f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, accumulate {accumulate}, "
-                   f"ordered {ordered}, fp8 {fp8}, cap {cap}"), compile_sm90(dec._decode_kernel, dict(args, **kv),
-                                                                            consts, w, st, cap)
+                   f"ordered {ordered}, fp8 {fp8}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st)
 
 
 def prefill_reports():

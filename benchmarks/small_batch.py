@@ -15,8 +15,7 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    launch (every kernel waits for the one before to drain), one whose QKV kernel leaves the KV
    write to the attention backend, one whose linears do not prefetch their weights into L2
    while the kernel before runs, one whose linears take dot tiles at every row count (no
-   GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose decode
-   kernel keeps the compiler's register counts (no caps: try --batches 128), one whose small
+   GEMV), one whose graphs leave the LM head and greedy argmax to eager launches, one whose small
    decode steps write split partials and sum them (no fp32 sums), one whose fused linears stop
    at 32 rows (try --batches 40,48,64), one whose decode takes its rows in batch order, not
    longest first (try --uneven 100,2048: contexts of 100-2,048 keys, not 384 each), and one
@@ -25,7 +24,6 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
 import argparse
 import contextlib
 import gc
-import importlib
 import tempfile
 from pathlib import Path
 from unittest import mock
@@ -42,7 +40,6 @@ from asynct.model.checkpoint import make_checkpoint
 from asynct.ops import _triton, fused_linear as fl, fused_linear_checks
 from asynct.ops.rope import rope_cos_sin_cache
 
-dec = importlib.import_module("asynct.ops.asynci_decode")   # the module: ops re-exports a function of its name
 C, INTER, HQ, HKV, D = 1024, 3072, 8, 4, 128
 BF = torch.bfloat16
 
@@ -66,11 +63,6 @@ def no_kv_fold():
 def no_prefetch():
     """Fused linears without the L2 prefetch of their weights before the PDL wait."""
     return mock.patch.object(fl, "L2_PREFETCH", False)
-
-
-def no_decode_caps():
-    """The decode kernel at the compiler's register counts (asynci_decode.MAX_REGISTERS off)."""
-    return mock.patch.dict(dec.MAX_REGISTERS, dict.fromkeys(dec.MAX_REGISTERS))
 
 
 def no_gemv():
@@ -228,7 +220,7 @@ def engine_steps(model, mode, batches, context):
 
 MODES = {"unfused": unfused, "no PDL": no_pdl, "no KV fold": no_kv_fold,
          "no L2 prefetch": no_prefetch, "no GEMV": no_gemv, "hidden-state graphs": hidden_state_graphs,
-         "no decode caps": no_decode_caps, "no decode sums": no_decode_sums, "fused to 32": fused_to_32,
+         "no decode sums": no_decode_sums, "fused to 32": fused_to_32,
          "row order": row_order,
          "fused": contextlib.nullcontext}
 

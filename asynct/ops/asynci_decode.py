@@ -22,14 +22,12 @@ from asynct.ops.paged_ref import asynci_decode_ref
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
-# Registers a thread (`maxnreg`), by (adds a shared prefix's partials or takes the rows in an
-# order, FP8 cache): what fits 4 programs an SM (sm_90). Uncapped, the bf16 cascade variant takes
-# 160 (3 an SM; at 128 no spill), the ordered one 156 (at 128 no spill), and the FP8 ones (their
-# cache read as words) 128 at most: the plain one no spill, the cascade one 4 bytes. Capped,
-# H200 steps of 128 sequences ran 1.11x (384 keys) to 1.24x (2,048) faster, 256 sequences 1.10x
-# on average (benchmarks/RESULTS.md). The bf16 plain variant's 124 already fits 4; at 96 (5 an
-# SM) it ran batch-8 steps 3 % slower.
-MAX_REGISTERS = {(False, False): None, (True, False): 128, (False, True): 128, (True, True): 128}
+# Every variant (a shared prefix's partials, the rows in an order, bf16 or FP8 cache) takes
+# 110-128 registers a thread at the compiler's will (sm_90): four programs an SM, which a program
+# an SM fewer would cost 8-25 % (H200). Caps of 128 held them there while the halo tile sat
+# before the loop (156-162 uncapped); they now change nothing (steps of 1-256 sequences
+# 0.99-1.00x). At 96 (five an SM) the plain variant ran batch-8 steps 3 % slower
+# (benchmarks/RESULTS.md).
 
 
 @_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
@@ -210,13 +208,11 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     dst, strides = split_output(out, 1 if accumulate else splits)   # accumulating: straight into out
     plen = prefix_len if s_pre else seq_lens
     ordered = order is not None
-    cap = MAX_REGISTERS[s_pre > 0 or ordered, fp8]
     _decode_kernel[(hkv, b, splits) if ordered else (b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, order if ordered else seq_lens,
         float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
         M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, PTX=ptx, **consts, num_warps=num_warps,
-        num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered,
-        **({"maxnreg": cap} if cap else {}), **pdl_args(q))
+        num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q))
     return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
 
 
