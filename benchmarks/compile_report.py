@@ -98,6 +98,10 @@ def decode_reports():
                           ORDERED=ordered)
             yield (f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, accumulate {accumulate}, "
                    f"ordered {ordered}, fp8 {fp8}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st)
+        # the shared prefix's pass: 64 query rows a program (asynci_decode._prefix_pass)
+        consts = dict(COMMON, BLOCK_M=dec.PREFIX_BLOCK_M, BLOCK_N=n, FP8=fp8, PTX=fp8, PDL=True)
+        yield f"prefix pass {dec.PREFIX_BLOCK_M}x{n}, {dec.PREFIX_WARPS} warps, {st} stages, fp8 {fp8}", compile_sm90(
+            dec._prefix_kernel, dict(args, B=224, **kv), consts, dec.PREFIX_WARPS, st)
 
 
 def prefill_reports():

@@ -133,25 +133,44 @@ def pool_gate(s, r, r_prev, sigma, P: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @_jit
+def halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, D: tl.constexpr, BS: tl.constexpr,
+                BLOCK_N: tl.constexpr, P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr,
+                FP8: tl.constexpr, PTX: tl.constexpr):
+    """The pooled scores r of the P-1 keys before lo (none before key 0), zeros elsewhere: the
+    [M, BLOCK_N] tile left of the first one."""
+    keys = lo - BLOCK_N + tl.arange(0, BLOCK_N)
+    kmask = (keys >= 0) & (keys >= lo - (P - 1)) & (lo < hi)
+    k = load_kv_tile(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    return tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+
+
+@_jit
 def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                 D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
+                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr,
+                HALO_BRANCH: tl.constexpr):
     """fp32 [M, D]: AsyncI of the query rows `q` over keys [lo, hi) of one KV head, their pool
     window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0).
-    The cache as kv_operands gives it."""
+    The cache as kv_operands gives it.
+    HALO_BRANCH: the halo tile only where keys precede lo. A row's first split (every row of a
+    batch of 99+ sequences, one split each) then skips its load and dot, and in its own branch
+    the halo leaves the key loop its registers: the decode's variants take 110-128 a thread, not
+    124-162 (sm_90), four programs an SM uncapped. The decode alone (H200): 1.01-1.03x at 8-256
+    rows; gsm8k-shaped cascade rows (a halo in every split, ~4 tiles each) 1.015x slower, the
+    branch's load no longer overlapping the loop's first ones. Not for the prefix pass: its
+    64-row tiles sit at 255 registers and the branch spills 64 bytes there (those cascade decodes
+    then 1.04x slower; benchmarks/RESULTS.md)."""
     n = tl.arange(0, BLOCK_N)
-    r_prev = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
-    # The halo tile only where keys precede lo: a row's first split (every row of a batch of
-    # 99+ sequences, one split each) skips its load and dot. In its own branch it also leaves
-    # the loop its registers: 110-128 a thread in every variant, not 124-162 (sm_90), so all fit
-    # four programs an SM uncapped. 256 rows x 600 keys 1.036x (H200, benchmarks/RESULTS.md)
-    if P > 1:
-        if (lo > 0) & (lo < hi):
-            keys = lo - BLOCK_N + n
-            kmask = (keys >= 0) & (keys >= lo - (P - 1))
-            k = load_kv_tile(k_ptr, bt_row_ptr, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D, FP8, PTX).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-            r_prev = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
+    if HALO_BRANCH:
+        r_prev = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
+        if P > 1:
+            if (lo > 0) & (lo < hi):
+                r_prev = halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, D, BS, BLOCK_N,
+                                     P, RELU, PREC, FP8, PTX)
+    else:
+        r_prev = halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, D, BS, BLOCK_N, P,
+                             RELU, PREC, FP8, PTX)
     acc = tl.zeros([q.shape[0], D], dtype=tl.float32)
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n

@@ -58,7 +58,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, True)
     if CASCADE:
         if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
             row = (b.to(tl.int64) * tl.num_programs(0 if ORDERED else 1) * G + head) * S_PRE
@@ -99,7 +99,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, False)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared (hi is 0 exactly then): a graph's prefix pass
     # then costs a launch
