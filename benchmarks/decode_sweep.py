@@ -2,10 +2,14 @@
 8 q / 4 KV heads of 128, blocks of 16, pool 3, bf16): time per call from a CUDA graph of 20
 calls, and the KV bandwidth it reaches against a device copy.
 
-    PYTHONPATH=. python benchmarks/decode_sweep.py
+    PYTHONPATH=. python benchmarks/decode_sweep.py [--engine [--save OUT.pt]]
 
 Shapes: gsm8k-shaped (224 seqs of 880-1010 keys, 688 shared: cascade), the same without
-cascade, throughput-shaped (144 seqs of 200-2048 keys), dense 256 x 1024, and small batches."""
+cascade, throughput-shaped (144 seqs of 200-2048 keys), dense 256 x 1024, and small batches.
+--engine: the engine's config only (best of three timings), each shape without a shared prefix
+also as the cascade variant with a prefix of 0, which every decode graph of 16+ sequences runs;
+--save keeps its outputs, for a bit-for-bit compare between two trees."""
+import argparse
 import itertools
 import time
 
@@ -66,10 +70,36 @@ def copy_bw():
     return 2 * x.numel() / t
 
 
+def engine_config(bw, save=None):
+    g = torch.Generator().manual_seed(0)
+    print("shape | variant | us | of copy BW")
+    outs = {}
+    for name, (b, lo, hi, shared) in SHAPES.items():
+        q, cache, table, lens, sigma, prefix, kv_bytes, max_len = make_batch(b, lo, hi, shared, g)
+        for cascade in (True,) if shared else (False, True):
+            plen = prefix if shared or not cascade else torch.zeros(1, dtype=torch.int32, device="cuda")
+            out = torch.empty_like(q)
+            fn = lambda: asynci_decode_triton(q, cache, table, lens, sigma, 0.088, 3, True, out,  # noqa: E731
+                                              max_seq_len=max_len, prefix_len=plen)
+            t = min(time_call(fn) for _ in range(3))
+            variant = "cascade" if cascade else "plain"
+            outs[name, variant] = out.cpu()
+            print(f"{name} | {variant}{'' if shared or not cascade else ', prefix 0'} | {t * 1e6:.1f} | "
+                  f"{kv_bytes / t / bw:.2f}", flush=True)
+    if save:
+        torch.save(outs, save)
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engine", action="store_true", help="the engine's config only, plain and cascade variants")
+    ap.add_argument("--save", default=None, help="with --engine: a file for its outputs")
+    a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     bw = copy_bw()
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    if a.engine:
+        return engine_config(bw, a.save)
     print("shape | config (pre: prefix-pass splits) | splits | us | of copy BW | max err vs default")
     for name, (b, lo, hi, shared) in SHAPES.items():
         q, cache, table, lens, sigma, prefix, kv_bytes, max_len = make_batch(b, lo, hi, shared, g)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep small-batch
+#   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -67,6 +67,8 @@ for s in $stages; do
     parity) timeout 300 python3 benchmarks/bf16_parity.py --seeds 1 2>&1 | tee $OUT/parity.log ;;
     sweep) timeout 170 python3 benchmarks/prefill_sweep.py 2>&1 | tee $OUT/sweep.log ;;
     decode-sweep) timeout 120 python3 benchmarks/decode_sweep.py 2>&1 | tee $OUT/decode_sweep.log ;;
+    decode-engine) # the engine's decode config on the sweep's shapes, plain and as the graphs' cascade variant
+             timeout 120 python3 benchmarks/decode_sweep.py --engine 2>&1 | tee $OUT/decode_engine.log ;;
     small-batch) timeout 300 python3 benchmarks/small_batch.py --model $M --sweep 2>&1 | grep -v "^{" \
              | tee $OUT/small_batch.log ;;
     runtime) # a new user's first run (empty Triton cache, cold process), then the same workloads warm;
