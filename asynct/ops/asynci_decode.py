@@ -5,8 +5,8 @@ Stage 1: a program per (sequence, KV head, split) scores its key range for all q
 the KV group at once (one K/V load serves them all), forms the causal pool from the previous
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
-those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so the partials of disjoint key ranges
-simply add. A graph's split count is sized for its longest context; the splits past a shorter
+those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so the partials of
+disjoint key ranges simply add. A graph's split count is sized for its longest context; the splits past a shorter
 sequence's last key load no keys and store nothing, and the sum reads only the others.
 
 The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
@@ -58,7 +58,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, True)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, HALO_BRANCH=True)
     if CASCADE:
         if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
             row = (b.to(tl.int64) * tl.num_programs(0 if ORDERED else 1) * G + head) * S_PRE
@@ -99,7 +99,7 @@ def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, sc
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
     sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, False)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, HALO_BRANCH=False)
     dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
     # nothing to store when no prefix is shared (hi is 0 exactly then): a graph's prefix pass
     # then costs a launch
