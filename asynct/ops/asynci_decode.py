@@ -6,8 +6,9 @@ the KV group at once (one K/V load serves them all), forms the causal pool from 
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
 `a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
 those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so the partials of
-disjoint key ranges simply add. A graph's split count is sized for its longest context; the splits past a shorter
-sequence's last key load no keys and store nothing, and the sum reads only the others.
+disjoint key ranges simply add. A graph's split count is sized for its longest context; the
+splits past a shorter sequence's last key load no keys and store nothing, and the sum reads
+only the others.
 
 The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
 in asynci_common.py."""
