@@ -87,7 +87,7 @@ COMMON = dict(D=128, BS=16, P=3, RELU=True, PREC="tf32", FP8=False)
 
 def decode_reports():
     args = dict(ATTN, out_ptr="*fp32", plen_ptr="*i32", pre_ptr="*fp32", order_ptr="*i32", sqb=1024, sqh=128, sbt=64,
-                sob=1024 * 8, soh=128 * 8, sos=128, S_PRE=5)
+                sob=1024 * 8, soh=128 * 8, sos=128, N_PRE=56, S_PRE=2)
     n, w, st = dec.BLOCK_N, 4, 2    # asynci_decode_triton's launch
     for fp8 in (False, True):
         # an FP8 cache is read as int32 words (asynci_common.kv_operands): strides in words
@@ -98,10 +98,6 @@ def decode_reports():
                           ORDERED=ordered)
             yield (f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, accumulate {accumulate}, "
                    f"ordered {ordered}, fp8 {fp8}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st)
-        # the shared prefix's pass: 64 query rows a program (asynci_decode._prefix_pass)
-        consts = dict(COMMON, BLOCK_M=dec.PREFIX_BLOCK_M, BLOCK_N=n, FP8=fp8, PTX=fp8, PDL=True)
-        yield f"prefix pass {dec.PREFIX_BLOCK_M}x{n}, {dec.PREFIX_WARPS} warps, {st} stages, fp8 {fp8}", compile_sm90(
-            dec._prefix_kernel, dict(args, B=224, **kv), consts, dec.PREFIX_WARPS, st)
 
 
 def prefill_reports():

@@ -114,7 +114,7 @@ class TritonBackend(AttentionBackend):
 
     def warmup(self, impl, kv_cache, dtype):
         """Decode's compiled variants: one split (written straight to the output) or several
-        (fp32 partials, then a sum), each with and without the shared-prefix pass and the rows'
+        (fp32 partials, then a sum), each with and without the shared prefix's tiles and the rows'
         order; then every prefill variant the plan can pick for the pool (`prefill_variants`).
         Nothing else a step passes is a specialisation key (asynct/ops/_triton.py)."""
         dev = kv_cache.device
@@ -144,7 +144,8 @@ class TritonBackend(AttentionBackend):
     def prepare_for_capture(self, batch_size) -> TritonAttentionMetadata:
         """Decode-only metadata over the static buffers; the split counts are fixed by the
         longest context a captured graph may meet. Graphs that may hold enough sequences for
-        cascade attention always run its prefix pass (an empty one when nothing is shared)."""
+        cascade attention always launch its prefix tiles (which exit at once when nothing is
+        shared) and sum their partials."""
         bs, g = batch_size, self.graph_inputs
         cascade = bs >= CASCADE_MIN_DECODES
         return TritonAttentionMetadata(

@@ -148,29 +148,22 @@ def halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, 
 @_jit
 def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                 D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr,
-                HALO_BRANCH: tl.constexpr):
+                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
     """fp32 [M, D]: AsyncI of the query rows `q` over keys [lo, hi) of one KV head, their pool
     window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0).
     The cache as kv_operands gives it.
-    HALO_BRANCH: the halo tile only where keys precede lo. A row's first split (every row of a
+    The halo tile is taken only where keys precede lo. A row's first split (every row of a
     batch of 99+ sequences, one split each) then skips its load and dot, and in its own branch
-    the halo leaves the key loop its registers: the decode's variants take 110-128 a thread, not
+    the halo leaves the key loop its registers: the decode's variants take 110-123 a thread, not
     124-162 (sm_90), four programs an SM uncapped. The decode alone (H200): 1.01-1.03x at 8-256
     rows; gsm8k-shaped cascade rows (a halo in every split, ~4 tiles each) 1.015x slower, the
-    branch's load no longer overlapping the loop's first ones. Not for the prefix pass: its
-    64-row tiles sit at 255 registers and the branch spills 64 bytes there (those cascade decodes
-    then 1.04x slower; benchmarks/RESULTS.md)."""
+    branch's load no longer overlapping the loop's first ones (benchmarks/RESULTS.md)."""
     n = tl.arange(0, BLOCK_N)
-    if HALO_BRANCH:
-        r_prev = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
-        if P > 1:
-            if (lo > 0) & (lo < hi):
-                r_prev = halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, D, BS, BLOCK_N,
-                                     P, RELU, PREC, FP8, PTX)
-    else:
-        r_prev = halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, D, BS, BLOCK_N, P,
-                             RELU, PREC, FP8, PTX)
+    r_prev = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
+    if P > 1:
+        if (lo > 0) & (lo < hi):
+            r_prev = halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, D, BS, BLOCK_N,
+                                 P, RELU, PREC, FP8, PTX)
     acc = tl.zeros([q.shape[0], D], dtype=tl.float32)
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + n
@@ -193,7 +186,7 @@ def split_range(seq_ptr, plen_ptr, b, split, n_splits, BLOCK_N: tl.constexpr, CA
     context skips the splits past a shorter one's last key."""
     n_keys = tl.load(seq_ptr + b)
     start = 0
-    if CASCADE:      # keys below the shared prefix's length were done by _prefix_kernel
+    if CASCADE:      # keys below the shared prefix's length are the prefix tiles' (asynci_decode)
         start = tl.minimum(tl.load(plen_ptr), n_keys)
     per = tl.cdiv(tl.cdiv(n_keys - start, n_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per
@@ -211,22 +204,29 @@ def split_partials(mid_ptr, seq_ptr, plen_ptr, S, D: tl.constexpr, BLOCK_N: tl.c
     return row, used
 
 
-@_jit(do_not_specialize=["S"])
-def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, sob, soh, S, D: tl.constexpr,
+@_jit(do_not_specialize=["S", "S_PRE"])
+def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, pre_ptr, sob, soh, S, S_PRE, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
     """out[b, h] = the sum of a decode's fp32 partials in split order, of only the splits that
-    held keys (split_range). The lengths are read before the PDL wait (host-written, not the
-    decode kernel's output), so the loop does not start one L2 round trip late (H200, batch 32:
-    12.7 against 13.8 us a layer). Sixteen loads issued before the length was known were slower
-    still. The used splits load eight at a time, all eight in flight before the first add (one
-    at a time, batch 1 at 2,048 keys: 14.7-15.2 against 13.8-14.1 us a layer of QKV + decode +
-    o_proj; H200, benchmarks/RESULTS.md)."""
+    held keys (split_range), then (CASCADE, where the row holds prefix keys) the shared prefix's
+    S_PRE <= 8 partials, at the same (b, h) of pre [B, H, S_PRE, D]. The lengths are read before
+    the PDL wait (host-written, not the decode kernel's output), so the loop does not start one
+    L2 round trip late (H200, batch 32: 12.7 against 13.8 us a layer). Sixteen loads issued
+    before the length was known were slower still. The used splits load eight at a time, all
+    eight in flight before the first add (one at a time, batch 1 at 2,048 keys: 14.7-15.2
+    against 13.8-14.1 us a layer of QKV + decode + o_proj; H200, benchmarks/RESULTS.md)."""
     row, used = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
     for c in range(tl.cdiv(used, 8)):   # a run-time count: one compiled kernel for every split count
         for j in tl.static_range(8):    # past `used`: masked off, x + 0.0 is x
             acc += tl.load(row + (c * 8 + j) * D, mask=c * 8 + j < used, other=0.0)
+    if CASCADE:     # an empty pass (no prefix, or a row shorter than it) wrote nothing there
+        b = tl.program_id(0)
+        held = tl.minimum(tl.load(plen_ptr), tl.load(seq_ptr + b)) > 0
+        pre = pre_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * S_PRE).to(tl.int64) * D + tl.arange(0, D)
+        for j in tl.static_range(8):
+            acc += tl.load(pre + j * D, mask=held & (j < S_PRE), other=0.0)
     dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
     tl.store(dst, acc.to(out_ptr.dtype.element_ty))
 
@@ -242,25 +242,29 @@ def sm_count(t) -> int:
     return _sm_count(t.device.index or 0) if t.is_cuda else 132
 
 
-def split_output(out, splits):
+def split_output(out, splits, partials=False):
     """Where a kernel split `splits` ways over keys writes, and its (row, head, split) strides:
-    `out` itself for one split, else fp32 partials [rows, heads, splits, D] that `sum_splits` adds."""
-    if splits == 1:
+    `out` itself for one split (unless `partials`), else fp32 partials [rows, heads, splits, D]
+    that `sum_splits` adds."""
+    if splits == 1 and not partials:
         return out, (out.stride(0), out.stride(1), 0)
     rows, hq, d = out.shape
     return (torch.empty(rows, hq, splits, d, dtype=torch.float32, device=out.device),
             (hq * splits * d, splits * d, d))
 
 
-def sum_splits(dst, out, splits, lens):
+def sum_splits(dst, out, splits, lens, pre=None):
     """AsyncI has no normalisation: the partials of disjoint key ranges add. A decode's: only
     its splits that held keys wrote partials, known from `lens` (seq_lens, prefix_len, BLOCK_N,
-    cascade). Launched with programmatic dependent launch where the device has it."""
-    if splits > 1:
+    cascade); with `pre` (cascade: the shared prefix's partials [B, H, S_PRE, D]) those too,
+    then even one split is summed. Launched with programmatic dependent launch where the device
+    has it."""
+    if splits > 1 or pre is not None:
         seq, plen, block_n, cascade = lens
-        _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, out.stride(0), out.stride(1), splits,
-                                          D=out.shape[2], BLOCK_N=block_n, CASCADE=cascade, num_warps=4,
-                                          **pdl_args(out))
+        s_pre = 0 if pre is None else pre.shape[2]
+        _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, dst if pre is None else pre, out.stride(0),
+                                          out.stride(1), splits, s_pre, D=out.shape[2], BLOCK_N=block_n,
+                                          CASCADE=cascade, num_warps=4, **pdl_args(out))
     return out
 
 

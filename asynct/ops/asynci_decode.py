@@ -8,7 +8,8 @@ tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and 
 those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so the partials of
 disjoint key ranges simply add. A graph's split count is sized for its longest context; the
 splits past a shorter sequence's last key load no keys and store nothing, and the sum reads
-only the others.
+only the others. Cascade (a prefix every row shares): the same launch's first programs take
+the prefix for 16 query rows each (_prefix_tile), and the sum adds their partials too.
 
 The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
 in asynci_common.py."""
@@ -31,23 +32,17 @@ BLOCK_N = 64
 # (benchmarks/RESULTS.md).
 
 
-@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "S_PRE"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, order_ptr, scale,
-                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
-                   D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
-                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
-                   ORDERED: tl.constexpr):
-    if ORDERED:     # the caller's order of the rows (a host-written step input), a row's KV heads side by side
-        b = tl.load(order_ptr + tl.program_id(1))
-        kvh = tl.program_id(0)
-    else:
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-    split = tl.program_id(2)
+@_jit
+def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, b, kvh, split, scale,
+                sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
+                D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
+                FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """One split of row b's own keys (past a shared prefix: CASCADE), all G query heads of KV head
+    kvh, into out's (b, heads, split) partial."""
     # read while the kernel before finishes: the lengths are not that kernel's output (the
     # caller's contract, asynci_decode_triton). sigma may be cast by the kernel just before: after.
-    lo, hi, used, start = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
+    lo, hi, used, _ = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     g = tl.arange(0, M)
     gmask = g < G
@@ -59,12 +54,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, HALO_BRANCH=True)
-    if CASCADE:
-        if (split == 0) & (start > 0):   # the shared prefix's partials: AsyncI's partial sums simply add
-            row = (b.to(tl.int64) * tl.num_programs(0 if ORDERED else 1) * G + head) * S_PRE
-            for s_ in range(S_PRE):
-                acc += tl.load(pre_ptr + (row + s_)[:, None] * D + d[None, :], mask=gmask[:, None], other=0.0)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
     # splits past the last key load and add nothing (lo >= hi) and leave no partial to sum
     mask = gmask[:, None] & (split < used)
@@ -74,37 +64,67 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@_jit(do_not_specialize=["B", "S_PRE"])
-def _prefix_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, scale, sqb, sqh, B,
-                   s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
-                   D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
-                   PTX: tl.constexpr, PDL: tl.constexpr):
-    """Keys [0, prefix_len) that every sequence of the batch shares (same blocks): a program
-    takes BLOCK_M query rows of one KV head, from many sequences, so each prefix key is loaded
-    once per row tile instead of once per sequence. Every prefix key precedes every query: no
-    causal mask. Writes its split's partial to pre[b, head, split]."""
-    wait_for_prior(PDL)
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+@_jit
+def _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, p, kvh, B, HKV, scale, sqb, sqh,
+                 s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
+                 D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+                 PTX: tl.constexpr, PDL: tl.constexpr):
+    """Split p % S_PRE of the keys [0, prefix_len) that every row shares (row 0's blocks), for
+    M query rows (row, head) of KV head kvh, from M / G rows of the batch: each prefix key is
+    loaded once per M query rows instead of once per row. Every prefix key precedes every
+    query: no causal mask. Writes pre[row, head, split]; nothing where no prefix is shared."""
+    split = p % S_PRE
     lo, hi, _, _ = split_range(plen_ptr, plen_ptr, 0, split, S_PRE, BLOCK_N, False)
+    if hi > 0:      # hi is 0 exactly when no prefix is shared: a graph's empty pass exits here
+        wait_for_prior(PDL)
+        rows = (p // S_PRE) * M + tl.arange(0, M)
+        b = rows // G
+        head = kvh * G + rows % G
+        rmask = b < B
+        d = tl.arange(0, D)
+        # int32 offsets: a decode batch's q is far below 2**31 elements, and int64 ones held 33
+        # more registers a thread through the key loop (148: three programs an SM; sm_90)
+        q = tl.load(q_ptr + (b * sqb + head * sqh)[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+        q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
+        sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
+        acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
+                          D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
+        dst = pre_ptr + ((b * HKV * G + head) * S_PRE + split)[:, None] * D + d[None, :]
+        tl.store(dst, acc, mask=rmask[:, None])
 
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    b = rows // G
-    head = kvh * G + rows % G
-    rmask = b < B
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + b.to(tl.int64)[:, None] * sqb + head[:, None] * sqh + d[None, :],
-                mask=rmask[:, None], other=0.0)
-    q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
-    sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
-    acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, HALO_BRANCH=False)
-    dst = pre_ptr + ((b.to(tl.int64) * tl.num_programs(1) * G + head) * S_PRE + split)[:, None] * D + d[None, :]
-    # nothing to store when no prefix is shared (hi is 0 exactly then): a graph's prefix pass
-    # then costs a launch
-    tl.store(dst, acc, mask=rmask[:, None] & (hi > 0))
+
+@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "N_PRE", "S_PRE"])
+def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, order_ptr, scale,
+                   sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, N_PRE, S_PRE, ks_ptr, vs_ptr,
+                   D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
+                   FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
+                   ORDERED: tl.constexpr):
+    """Grid (rows, KV heads, splits), or (KV heads, rows, splits) ORDERED. CASCADE: the first
+    N_PRE programs along the rows take the shared prefix's tiles (_prefix_tile, at split 0
+    only), the others the rows' own keys: one launch, so no kernel boundary sits between the
+    prefix and the rows (a pass of its own before the decode cost graphs of 16+ rows 4-6 us a
+    layer when nothing was shared; H200, benchmarks/RESULTS.md)."""
+    r = tl.program_id(1) if ORDERED else tl.program_id(0)
+    kvh = tl.program_id(0) if ORDERED else tl.program_id(1)
+    split = tl.program_id(2)
+    prefix_tile = False
+    if CASCADE:     # a constexpr: the other variants compile no prefix tile
+        prefix_tile = r < N_PRE
+    if prefix_tile:
+        if split == 0:
+            n_rows = tl.num_programs(1 if ORDERED else 0) - N_PRE
+            _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, r, kvh, n_rows,
+                         tl.num_programs(0 if ORDERED else 1), scale, sqb, sqh, s_blk, s_tok, s_head, G, S_PRE,
+                         ks_ptr, vs_ptr, D, BS, M, BLOCK_N, P, RELU, PREC, FP8, PTX, PDL)
+    else:
+        i = r - N_PRE   # N_PRE is 0 without CASCADE
+        # ORDERED: the caller's order of the rows (a host-written step input), a row's KV heads side by side
+        b = tl.load(order_ptr + i) if ORDERED else i
+        _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, b, kvh, split, scale,
+                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
+                    D, BS, M, BLOCK_N, P, RELU, PREC, CASCADE, FP8, PTX, PDL, ACCUMULATE)
 
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
@@ -136,29 +156,12 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order=None
                          f"{tuple(order.shape)} {order.dtype}")
 
 
-def num_prefix_splits(batch, num_kv_heads, group, prefix_len, sms=132):
-    """Key splits of the shared prefix: about one wave of programs, a tile each at least, 8 at
-    most: every decode program adds up all the splits' partials, so more splits slow decode
-    (224 gsm8k-shaped sequences: 5 splits 1.07x faster than 10, benchmarks/decode_sweep.py)."""
-    tiles = triton.cdiv(batch * group, PREFIX_BLOCK_M)
+def num_prefix_splits(batch, num_kv_heads, group, prefix_len, rows=16, sms=132):
+    """Key splits of the shared prefix: about one wave of prefix tiles (`rows` query rows each),
+    a key tile each at least, 8 at most: the split sum adds every split's partials."""
+    tiles = triton.cdiv(batch * group, rows)
     want = triton.cdiv(sms, tiles * num_kv_heads)
     return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), 8))
-
-
-PREFIX_BLOCK_M = 64
-PREFIX_WARPS = 4
-
-
-def _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, fp8_args, s_pre, consts, num_stages):
-    """The shared prefix's fp32 partials [B, Hq, s_pre, D] (_prefix_kernel); `kv` from kv_operands."""
-    (b, hq, d), g = q.shape, q.shape[1] // hkv
-    (k_cache, v_cache, kv_strides, ptx), (ks, vs, fp8) = kv, fp8_args
-    pre = torch.empty(b, hq, s_pre, d, dtype=torch.float32, device=q.device)
-    _prefix_kernel[(triton.cdiv(b * g, PREFIX_BLOCK_M), hkv, s_pre)](
-        q, k_cache, v_cache, block_table, prefix_len, sigma, pre, float(scale), q.stride(0), q.stride(1),
-        b, *kv_strides, g, s_pre, ks, vs, BLOCK_M=PREFIX_BLOCK_M, FP8=fp8, PTX=ptx, **consts,
-        num_warps=PREFIX_WARPS, num_stages=num_stages, **pdl_args(q))
-    return pre
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
@@ -201,20 +204,23 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     kv = kv_operands(kv_cache, fp8)
     k_cache, v_cache, kv_strides, ptx = kv
-    s_pre, pre = 0, out
-    if prefix_len is not None:
-        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, sms)
-        pre = _prefix_pass(q, kv, hkv, block_table, prefix_len, sigma, scale, (ks, vs, fp8), s_pre, consts,
-                           num_stages)
-    dst, strides = split_output(out, 1 if accumulate else splits)   # accumulating: straight into out
-    plen = prefix_len if s_pre else seq_lens
+    m = max(16, triton.next_power_of_2(g))
+    cascade = prefix_len is not None and not accumulate   # a hint: an accumulating decode reads every key
+    s_pre = n_pre = 0
+    if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
+        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms)
+        n_pre = triton.cdiv(b * g, m) * s_pre
+    pre = split_output(q, s_pre, partials=True)[0] if cascade else None
+    # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
+    dst, strides = split_output(out, 1 if accumulate else splits, partials=cascade)
+    plen = prefix_len if cascade else seq_lens
     ordered = order is not None
-    _decode_kernel[(hkv, b, splits) if ordered else (b, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, pre, order if ordered else seq_lens,
-        float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides, *kv_strides, g, s_pre, ks, vs,
-        M=max(16, triton.next_power_of_2(g)), CASCADE=s_pre > 0, FP8=fp8, PTX=ptx, **consts, num_warps=num_warps,
-        num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q))
-    return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, s_pre > 0))
+    _decode_kernel[(hkv, n_pre + b, splits) if ordered else (n_pre + b, hkv, splits)](
+        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, dst if pre is None else pre,
+        order if ordered else seq_lens, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
+        *kv_strides, g, n_pre, max(s_pre, 1), ks, vs, M=m, CASCADE=cascade, FP8=fp8, PTX=ptx, **consts,
+        num_warps=num_warps, num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q))
+    return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, cascade), pre)
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
