@@ -156,9 +156,16 @@ def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order=None
                          f"{tuple(order.shape)} {order.dtype}")
 
 
-def num_prefix_splits(batch, num_kv_heads, group, prefix_len, rows=16, sms=132):
+def num_prefix_splits(batch, num_kv_heads, group, prefix_len, rows=16, sms=132, splits=1):
     """Key splits of the shared prefix: about one wave of prefix tiles (`rows` query rows each),
-    a key tile each at least, 8 at most: the split sum adds every split's partials."""
+    a key tile each at least, 8 at most (the split sum adds every split's partials); one where
+    the rows' own programs (`splits` a row) fill 1.5 waves of four an SM, whose time the
+    unsplit prefix tiles, launched first, then span. H200, rows of 880-1,010 keys with 688
+    shared, us a layer by prefix splits 1/2/4/8: 224 rows 48.1/53.2/53.6/55.4 (this rule's 1),
+    128 rows 35.0/35.3/31.5/33.7 (3), 64 rows 24.7/19.0/20.1/19.5 (5), 32 rows 22.0/16.0/
+    13.1/13.4 (8), 16 rows 20.3/14.3/11.2/10.2 (8; benchmarks/RESULTS.md)."""
+    if batch * num_kv_heads * splits >= 6 * sms:
+        return 1
     tiles = triton.cdiv(batch * group, rows)
     want = triton.cdiv(sms, tiles * num_kv_heads)
     return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), 8))
@@ -208,7 +215,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     cascade = prefix_len is not None and not accumulate   # a hint: an accumulating decode reads every key
     s_pre = n_pre = 0
     if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
-        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms)
+        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms, splits)
         n_pre = triton.cdiv(b * g, m) * s_pre
     pre = split_output(q, s_pre, partials=True)[0] if cascade else None
     # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
