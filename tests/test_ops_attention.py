@@ -264,6 +264,10 @@ def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
     for splits in (1, 16):
         assert decode_case(asynci_decode_triton, [3, 100, 64, 1], 4, 2, 16, 4, 3, True, device=DEV, splits=splits,
                            prefix_len=none) < 1e-5
+    # the sum adds at most 8 prefix partials: more is refused, not summed short
+    assert shared_prefix_case([600, 640, 560], 128, 4, 2, 16, 4, 3, True, device=DEV, prefix_splits=8) < 1e-5
+    with pytest.raises(ValueError, match="prefix_splits must be 1-8, got 9"):
+        shared_prefix_case([70, 100, 40], 8, 4, 2, 16, 4, 3, True, device=DEV, prefix_splits=9)
 
 
 @pytest.mark.parametrize("lens,splits,prefix_blocks", [([3, 100, 64, 1, 37], None, 0), ([70, 33, 130, 49], 3, 0),

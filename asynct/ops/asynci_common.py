@@ -204,6 +204,9 @@ def split_partials(mid_ptr, seq_ptr, plen_ptr, S, D: tl.constexpr, BLOCK_N: tl.c
     return row, used
 
 
+MAX_PREFIX_SPLITS = 8   # the prefix partials a split sum adds (_sum_splits_kernel's loop)
+
+
 @_jit(do_not_specialize=["S", "S_PRE"])
 def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, pre_ptr, sob, soh, S, S_PRE, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
@@ -225,7 +228,7 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, pre_ptr, sob, soh, S
         b = tl.program_id(0)
         held = tl.minimum(tl.load(plen_ptr), tl.load(seq_ptr + b)) > 0
         pre = pre_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * S_PRE).to(tl.int64) * D + tl.arange(0, D)
-        for j in tl.static_range(8):
+        for j in tl.static_range(8):    # MAX_PREFIX_SPLITS
             acc += tl.load(pre + j * D, mask=held & (j < S_PRE), other=0.0)
     dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
     tl.store(dst, acc.to(out_ptr.dtype.element_ty))

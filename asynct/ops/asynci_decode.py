@@ -16,8 +16,8 @@ in asynci_common.py."""
 import torch
 
 from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
-from asynct.ops.asynci_common import (attend_keys, fold_k_scale, kv_operands, scale_args, sm_count,
-                                      split_output, split_range, sum_splits)
+from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, fold_k_scale, kv_operands, scale_args,
+                                      sm_count, split_output, split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
@@ -168,7 +168,7 @@ def num_prefix_splits(batch, num_kv_heads, group, prefix_len, rows=16, sms=132, 
         return 1
     tiles = triton.cdiv(batch * group, rows)
     want = triton.cdiv(sms, tiles * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), 8))
+    return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), MAX_PREFIX_SPLITS))
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
@@ -192,6 +192,8 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     (copied in from the host, or filled earlier): with programmatic dependent launch the decode
     and sum kernels read them before waiting for that kernel."""
     check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order)
+    if prefix_splits is not None and not 1 <= prefix_splits <= MAX_PREFIX_SPLITS:
+        raise ValueError(f"prefix_splits must be 1-{MAX_PREFIX_SPLITS}, got {prefix_splits}")
     if accumulate and out.dtype != torch.float32:
         raise ValueError(f"an accumulating decode adds into fp32 sums, got out of {out.dtype}")
     b, hq, d = q.shape
