@@ -48,7 +48,7 @@ def oproj_partials_kernel(mid_ptr, seq_ptr, S, w_ptr, res_ptr, hid_ptr, out_ptr,
 @jit(do_not_specialize=["S", "S_PRE"])
 def sum_one_at_a_time_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, pre_ptr, sob, soh, S, S_PRE, D: tl.constexpr,
                         BLOCK_N: tl.constexpr, CASCADE: tl.constexpr, PDL: tl.constexpr):
-    row, used = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
+    row, used, _ = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
     for s in range(used):       # the sum kernel before 4c94361

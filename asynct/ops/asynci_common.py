@@ -196,12 +196,12 @@ def split_range(seq_ptr, plen_ptr, b, split, n_splits, BLOCK_N: tl.constexpr, CA
 
 @_jit
 def split_partials(mid_ptr, seq_ptr, plen_ptr, S, D: tl.constexpr, BLOCK_N: tl.constexpr, CASCADE: tl.constexpr):
-    """Program (b, h)'s row of a decode's fp32 partials (split s at row + s * D) and how many
-    splits held keys (split_range)."""
+    """Program (b, h)'s row of a decode's fp32 partials (split s at row + s * D), how many
+    splits held keys and where the row's own keys start (split_range: past a shared prefix)."""
     b = tl.program_id(0)
     row = mid_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * S).to(tl.int64) * D + tl.arange(0, D)
-    _, _, used, _ = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
-    return row, used
+    _, _, used, start = split_range(seq_ptr, plen_ptr, b, 0, S, BLOCK_N, CASCADE)
+    return row, used, start
 
 
 MAX_PREFIX_SPLITS = 8   # the prefix partials a split sum adds (_sum_splits_kernel's loop)
@@ -218,18 +218,17 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, pre_ptr, sob, soh, S
     before the length was known were slower still. The used splits load eight at a time, all
     eight in flight before the first add (one at a time, batch 1 at 2,048 keys: 14.7-15.2
     against 13.8-14.1 us a layer of QKV + decode + o_proj; H200, benchmarks/RESULTS.md)."""
-    row, used = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
+    row, used, start = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
     wait_for_prior(PDL)
     acc = tl.zeros([D], dtype=tl.float32)
     for c in range(tl.cdiv(used, 8)):   # a run-time count: one compiled kernel for every split count
         for j in tl.static_range(8):    # past `used`: masked off, x + 0.0 is x
             acc += tl.load(row + (c * 8 + j) * D, mask=c * 8 + j < used, other=0.0)
-    if CASCADE:     # an empty pass (no prefix, or a row shorter than it) wrote nothing there
-        b = tl.program_id(0)
-        held = tl.minimum(tl.load(plen_ptr), tl.load(seq_ptr + b)) > 0
-        pre = pre_ptr + ((b * tl.num_programs(1) + tl.program_id(1)) * S_PRE).to(tl.int64) * D + tl.arange(0, D)
+    if CASCADE:     # a row holding no prefix keys (none shared, or an empty row) has none written
+        pre = (pre_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * S_PRE).to(tl.int64) * D
+               + tl.arange(0, D))
         for j in tl.static_range(8):    # MAX_PREFIX_SPLITS
-            acc += tl.load(pre + j * D, mask=held & (j < S_PRE), other=0.0)
+            acc += tl.load(pre + j * D, mask=(start > 0) & (j < S_PRE), other=0.0)
     dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
     tl.store(dst, acc.to(out_ptr.dtype.element_ty))
 

@@ -227,7 +227,7 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     _decode_kernel[(hkv, n_pre + b, splits) if ordered else (n_pre + b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, dst if pre is None else pre,
         order if ordered else seq_lens, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
-        *kv_strides, g, n_pre, max(s_pre, 1), ks, vs, M=m, CASCADE=cascade, FP8=fp8, PTX=ptx, **consts,
+        *kv_strides, g, n_pre, s_pre, ks, vs, M=m, CASCADE=cascade, FP8=fp8, PTX=ptx, **consts,
         num_warps=num_warps, num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q))
     return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, cascade), pre)
 
