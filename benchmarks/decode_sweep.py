@@ -7,14 +7,17 @@ calls, and the KV bandwidth it reaches against a device copy.
 Shapes: gsm8k-shaped (224 seqs of 880-1010 keys, 688 shared: cascade), the same without
 cascade, throughput-shaped (144 seqs of 200-2048 keys), dense 256 x 1024, and small batches.
 --engine: the engine's config only (best of three timings), each shape without a shared prefix
-also as the cascade variant with a prefix of 0, which every decode graph of 16+ sequences runs;
---save keeps its outputs, for a bit-for-bit compare between two trees."""
+also as the cascade variant with a prefix of 0, which every decode graph of 16+ sequences runs,
+and with the rows longest first where the engine orders them (64+ rows); --save keeps its
+outputs, for a bit-for-bit compare between two trees."""
 import argparse
 import itertools
 import time
 
 import torch
 
+from asynct.attention.graph_inputs import longest_first
+from asynct.attention.triton_backend import CASCADE_MIN_DECODES, DECODE_ORDER_MIN_ROWS
 from asynct.ops.asynci_decode import asynci_decode_triton, num_splits
 
 HQ, HKV, D, BS = 8, 4, 128, 16
@@ -76,12 +79,17 @@ def engine_config(bw, save=None):
     outs = {}
     for name, (b, lo, hi, shared) in SHAPES.items():
         q, cache, table, lens, sigma, prefix, kv_bytes, max_len = make_batch(b, lo, hi, shared, g)
-        variants = {"cascade": prefix} if shared else {
-            "plain": None, "cascade, prefix 0": torch.zeros(1, dtype=torch.int32, device="cuda")}
+        variants = {"cascade": prefix} if shared else {"plain": None}
+        if not shared and b >= CASCADE_MIN_DECODES:
+            variants["cascade, prefix 0"] = torch.zeros(1, dtype=torch.int32, device="cuda")
+        order = None
+        if b >= DECODE_ORDER_MIN_ROWS:
+            order = torch.from_numpy(longest_first(lens.tolist(), b)).cuda()
+            variants = {f"{v}, ordered": plen for v, plen in variants.items()}
         for variant, plen in variants.items():
             out = torch.empty_like(q)
             fn = lambda: asynci_decode_triton(q, cache, table, lens, sigma, 0.088, 3, True, out,  # noqa: E731
-                                              max_seq_len=max_len, prefix_len=plen)
+                                              max_seq_len=max_len, prefix_len=plen, order=order)
             t = min(time_call(fn) for _ in range(3))
             outs[name, variant] = out.cpu()
             print(f"{name} | {variant} | {t * 1e6:.1f} | {kv_bytes / t / bw:.2f}", flush=True)
