@@ -19,6 +19,7 @@ from asynct.engine.sampler import eos_ids
 from asynct.engine.sampling_params import SamplingParams
 from asynct.engine.scheduler import Scheduler
 from asynct.engine.sequence import Request, Sequence
+from asynct.engine.startup_heap import freeze_startup_heap
 from asynct.engine.step_finish import StepFinishMixin
 from asynct.model.checkpoint import prepare_config_for_load
 
@@ -99,6 +100,7 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
         self.in_flight: LaunchedStep | None = None   # launched, not finished (async scheduling)
         self._last_step_end = None
         self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
+        freeze_startup_heap(self)
 
     @property
     def num_kv_blocks(self) -> int:
