@@ -87,8 +87,7 @@ COMMON = dict(D=128, BS=16, P=3, RELU=True, PREC="tf32", FP8=False)
 
 def decode_reports():
     args = dict(ATTN, out_ptr="*fp32", plen_ptr="*i32", pre_ptr="*fp32", order_ptr="*i32", sqb=1024, sqh=128, sbt=64,
-                sob=1024 * 8, soh=128 * 8, sos=128, N_PRE=56, S_PRE=2, one_pass=1, cnt_ptr="*i32", fin_ptr="*bf16",
-                sfb=1024, sfh=128)
+                sob=1024 * 8, soh=128 * 8, sos=128, N_PRE=56, S_PRE=2)
     n, w, st = dec.BLOCK_N, 4, 2    # asynci_decode_triton's launch
     for fp8 in (False, True):
         # an FP8 cache is read as int32 words (asynci_common.kv_operands): strides in words
@@ -98,15 +97,7 @@ def decode_reports():
             consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=cascade, FP8=fp8, PTX=fp8, PDL=True, ACCUMULATE=accumulate,
                           ORDERED=ordered)
             yield (f"decode {n} keys, {w} warps, {st} stages, cascade {cascade}, accumulate {accumulate}, "
-                   f"ordered {ordered}, fp8 {fp8}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st,
-                                                                 dec.CASCADE_MAX_REGISTERS[128] if cascade else None)
-    # the cascade variant where its one-pass epilogue once took a program an SM (head_dim 64) or
-    # would not compile (one query head a KV head)
-    consts = dict(COMMON, M=16, BLOCK_N=n, CASCADE=True, FP8=False, PTX=False, PDL=True, ACCUMULATE=False,
-                  ORDERED=True)
-    for name, d, g in (("head_dim 64", 64, 2), ("one query head a KV head", 128, 1)):
-        yield f"decode cascade, {name}", compile_sm90(dec._decode_kernel, dict(args, G=g), dict(consts, D=d), w, st,
-                                                      dec.CASCADE_MAX_REGISTERS[d])
+                   f"ordered {ordered}, fp8 {fp8}"), compile_sm90(dec._decode_kernel, dict(args, **kv), consts, w, st)
 
 
 def prefill_reports():

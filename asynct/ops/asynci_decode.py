@@ -29,30 +29,20 @@ BLOCK_N = 64
 # an SM fewer would cost 8-25 % (H200). Caps of 128 held them there while the halo tile sat
 # before the loop (156-162 uncapped); they now change nothing (steps of 1-256 sequences
 # 0.99-1.00x). At 96 (five an SM) the plain variant ran batch-8 steps 3 % slower
-# (benchmarks/RESULTS.md). The cascade variants' one-pass epilogue (_arrive) took them to 144-149
-# at head_dim 128 (three an SM) and 113 at 64 (four; five before the epilogue): capped by head_dim
-# back to the programs an SM they held without it (sm_90: 128 spills a few loop-invariant words
-# around the key loops, none inside; 96 none). Head dims 32 (80, six an SM) and 256 (two an SM by
-# shared memory) lose nothing uncapped.
-CASCADE_MAX_REGISTERS = {64: 96, 128: 128}
+# (benchmarks/RESULTS.md).
 
 
 @_jit
 def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, b, kvh, split, scale,
-                sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr, one_pass, cnt_ptr, pre_ptr, fin_ptr, B, HKV, S_PRE, sfb, sfh,
+                sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
                 D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                 P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
                 FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr):
     """One split of row b's own keys (past a shared prefix: CASCADE), all G query heads of KV head
-    kvh, into out's (b, heads, split) partial. A one-pass cascade (one split): where no prefix is
-    shared, straight into the output fin; else the partial, then an arrival at its prefix tile's
-    counter (_arrive), the last of whose arrivals writes the tile's rows to fin."""
+    kvh, into out's (b, heads, split) partial."""
     # read while the kernel before finishes: the lengths are not that kernel's output (the
     # caller's contract, asynci_decode_triton). sigma may be cast by the kernel just before: after.
     lo, hi, used, _ = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
-    shared = False
-    if CASCADE:     # loaded here, not after the key loop, where its round trip would end the program late
-        shared = tl.load(plen_ptr) > 0
     wait_for_prior(PDL)
     g = tl.arange(0, M)
     gmask = g < G
@@ -70,64 +60,20 @@ def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_p
     mask = gmask[:, None] & (split < used)
     if ACCUMULATE:  # into the caller's zeroed fp32 sums, in whatever order the splits finish
         tl.atomic_add(dst, acc, mask=mask, sem="relaxed")
-    elif CASCADE and one_pass:  # one split: this partial and the prefix's are all the row's addends
-        if not shared:              # nothing shared: the partial is the output
-            fin = fin_ptr + b.to(tl.int64) * sfb + head[:, None] * sfh + d[None, :]
-            tl.store(fin, acc.to(fin_ptr.dtype.element_ty), mask=gmask[:, None])
-        else:
-            tl.store(dst, acc, mask=gmask[:, None])
-            first = b * G // M      # a row's heads lie in one prefix tile, or two when M % G != 0
-            _arrive(cnt_ptr, first, kvh, out_ptr, pre_ptr, fin_ptr, seq_ptr, B, HKV, S_PRE, sob, soh, sfb, sfh,
-                    G, D, M)
-            if (b * G + G - 1) // M != first:
-                _arrive(cnt_ptr, first + 1, kvh, out_ptr, pre_ptr, fin_ptr, seq_ptr, B, HKV, S_PRE, sob, soh,
-                        sfb, sfh, G, D, M)
     else:
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @_jit
-def _arrive(cnt_ptr, t, kvh, mid_ptr, pre_ptr, fin_ptr, seq_ptr, B, HKV, S_PRE, sob, soh, sfb, sfh, G,
-            D: tl.constexpr, M: tl.constexpr):
-    """One arrival at prefix tile t's counter for KV head kvh. Its S_PRE prefix splits and each
-    row among its M query rows (empty ones too) arrive once; the last adds up the partials of
-    the rows holding keys in the split sum's order (the row's, then the prefix's), stores them
-    to fin (an empty row's zero partial alone, as the sum kernel does) and zeroes the
-    counter for the next launch: no sum kernel, so no kernel boundary after the decode (graphs
-    of 99+ rows, one split). The barrier has every thread's partial stored before the release;
-    the last arrival reads the others' from L2 (.cg, never a stale L1 line)."""
-    arrivals = S_PRE + tl.minimum((t * M + M - 1) // G, B - 1) - t * M // G + 1
-    cnt = cnt_ptr + t * HKV + kvh
-    tl.debug_barrier()
-    if tl.atomic_add(cnt, 1, sem="acq_rel") == arrivals - 1:
-        rows = t * M + tl.arange(0, M)
-        b = rows // G
-        head = kvh * G + rows % G
-        real = (b < B)[:, None]
-        held = real & (tl.load(seq_ptr + b, mask=b < B, other=0) > 0)[:, None]
-        d = tl.arange(0, D)[None, :]
-        # int32 offsets, as _prefix_tile's: a decode batch's partials are far below 2**31 elements
-        acc = tl.load(mid_ptr + (b * sob + head * soh)[:, None] + d, mask=real, other=0.0, cache_modifier=".cg")
-        pre = pre_ptr + ((b * HKV * G + head) * S_PRE)[:, None] * D + d
-        for j in range(S_PRE):      # one load at a time: eight in flight held 160+ registers a thread
-            acc += tl.load(pre + j * D, mask=held, other=0.0, cache_modifier=".cg")
-        fin = fin_ptr + (b * sfb + head * sfh)[:, None] + d
-        tl.store(fin, acc.to(fin_ptr.dtype.element_ty), mask=real)
-        tl.atomic_xchg(cnt, 0, sem="relaxed")
-
-
-@_jit
 def _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, p, kvh, B, HKV, scale, sqb, sqh,
-                 s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr, one_pass, cnt_ptr, mid_ptr, fin_ptr, seq_ptr,
-                 sob, soh, sfb, sfh,
+                 s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                  D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                  P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
                  PTX: tl.constexpr, PDL: tl.constexpr):
     """Split p % S_PRE of the keys [0, prefix_len) that every row shares (row 0's blocks), for
     M query rows (row, head) of KV head kvh, from M / G rows of the batch: each prefix key is
     loaded once per M query rows instead of once per row. Every prefix key precedes every
-    query: no causal mask. Writes pre[row, head, split], then in a one-pass cascade arrives at
-    the tile's counter (_arrive); nothing where no prefix is shared."""
+    query: no causal mask. Writes pre[row, head, split]; nothing where no prefix is shared."""
     split = p % S_PRE
     lo, hi, _, _ = split_range(plen_ptr, plen_ptr, 0, split, S_PRE, BLOCK_N, False)
     if hi > 0:      # hi is 0 exactly when no prefix is shared: a graph's empty pass exits here
@@ -146,16 +92,12 @@ def _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, p, k
                           D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
         dst = pre_ptr + ((b * HKV * G + head) * S_PRE + split)[:, None] * D + d[None, :]
         tl.store(dst, acc, mask=rmask[:, None])
-        if one_pass:
-            _arrive(cnt_ptr, p // S_PRE, kvh, mid_ptr, pre_ptr, fin_ptr, seq_ptr, B, HKV, S_PRE, sob, soh, sfb,
-                    sfh, G, D, M)
 
 
-# G too: Triton 3.6's coalesce pass aborts on the one-pass epilogue with G = 1 made a constant
-@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "N_PRE", "S_PRE", "one_pass", "sfb", "sfh", "G"])
+@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "N_PRE", "S_PRE"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, order_ptr, scale,
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, N_PRE, S_PRE, ks_ptr, vs_ptr,
-                   one_pass, cnt_ptr, fin_ptr, sfb, sfh, D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
                    FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
                    ORDERED: tl.constexpr):
@@ -163,28 +105,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
     N_PRE programs along the rows take the shared prefix's tiles (_prefix_tile, at split 0
     only), the others the rows' own keys: one launch, so no kernel boundary sits between the
     prefix and the rows (a pass of its own before the decode cost graphs of 16+ rows 4-6 us a
-    layer when nothing was shared; H200, benchmarks/RESULTS.md). `one_pass` (a cascade of one
-    split, with counters cnt): the rows' outputs go to fin from this kernel itself (_arrive)."""
+    layer when nothing was shared; H200, benchmarks/RESULTS.md)."""
     r = tl.program_id(1) if ORDERED else tl.program_id(0)
     kvh = tl.program_id(0) if ORDERED else tl.program_id(1)
     split = tl.program_id(2)
-    n_rows = tl.num_programs(1 if ORDERED else 0) - N_PRE
-    hkv = tl.num_programs(0 if ORDERED else 1)
     prefix_tile = False
     if CASCADE:     # a constexpr: the other variants compile no prefix tile
         prefix_tile = r < N_PRE
     if prefix_tile:
         if split == 0:
-            _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, r, kvh, n_rows, hkv, scale,
-                         sqb, sqh, s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr, one_pass, cnt_ptr, out_ptr,
-                         fin_ptr, seq_ptr, sob, soh, sfb, sfh, D, BS, M, BLOCK_N, P, RELU, PREC, FP8, PTX, PDL)
+            n_rows = tl.num_programs(1 if ORDERED else 0) - N_PRE
+            _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, r, kvh, n_rows,
+                         tl.num_programs(0 if ORDERED else 1), scale, sqb, sqh, s_blk, s_tok, s_head, G, S_PRE,
+                         ks_ptr, vs_ptr, D, BS, M, BLOCK_N, P, RELU, PREC, FP8, PTX, PDL)
     else:
         i = r - N_PRE   # N_PRE is 0 without CASCADE
         # ORDERED: the caller's order of the rows (a host-written step input), a row's KV heads side by side
         b = tl.load(order_ptr + i) if ORDERED else i
         _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, b, kvh, split, scale,
-                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr, one_pass, cnt_ptr,
-                    pre_ptr, fin_ptr, n_rows, hkv, S_PRE, sfb, sfh,
+                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
                     D, BS, M, BLOCK_N, P, RELU, PREC, CASCADE, FP8, PTX, PDL, ACCUMULATE)
 
 
@@ -285,36 +224,12 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     dst, strides = split_output(out, 1 if accumulate else splits, partials=cascade)
     plen = prefix_len if cascade else seq_lens
     ordered = order is not None
-    counters = prefix_counters(q.device, triton.cdiv(b * g, m) * hkv) if cascade and splits == 1 else None
-    one_pass = counters is not None
     _decode_kernel[(hkv, n_pre + b, splits) if ordered else (n_pre + b, hkv, splits)](
         q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, dst if pre is None else pre,
         order if ordered else seq_lens, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
-        *kv_strides, g, n_pre, s_pre, ks, vs, int(one_pass), counters if one_pass else seq_lens, out,
-        out.stride(0), out.stride(1), M=m, CASCADE=cascade, FP8=fp8, PTX=ptx, **consts,
-        num_warps=num_warps, num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q),
-        **({"maxnreg": CASCADE_MAX_REGISTERS[d]} if cascade and d in CASCADE_MAX_REGISTERS else {}))
-    if accumulate or one_pass:
-        return out
-    return sum_splits(dst, out, splits, (seq_lens, plen, block_n, cascade), pre)
-
-
-_MAX_COUNTERS = 1 << 16    # prefix tiles x KV heads: 2**16 / 4 KV heads x 8 rows a tile = 131,072 rows
-_counters: dict = {}
-
-
-def prefix_counters(device, n):
-    """The device's int32 arrival counters of a one-pass cascade (_arrive), zero between
-    launches (each tile's last arrival zeroes its own); None where there are more than
-    _MAX_COUNTERS, or none yet inside a graph capture (zeros made there would not be zero before
-    the graph first ran): the sum kernel then adds the prefix. Made by the first cascade decode
-    of one split outside a capture (the attention backend's warm-up). Decodes running on two
-    streams at once would share them."""
-    if device not in _counters:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _counters[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _counters[device] if n <= _MAX_COUNTERS else None
+        *kv_strides, g, n_pre, s_pre, ks, vs, M=m, CASCADE=cascade, FP8=fp8, PTX=ptx, **consts,
+        num_warps=num_warps, num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q))
+    return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, cascade), pre)
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
