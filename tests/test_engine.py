@@ -245,11 +245,11 @@ def test_an_engine_freezes_the_startup_heap_while_it_lives(tiny_ckpt):
     freezes it out of the collector's sight, and the last engine alive unfreezes it when freed."""
     import gc
     from asynct.engine import startup_heap
-    live = startup_heap._live_engines
+    live = len(startup_heap.owners())
     llm = LLM(tiny_ckpt)
-    assert gc.get_freeze_count() > 10_000 and startup_heap._live_engines == live + 1
+    assert gc.get_freeze_count() > 10_000 and llm.llm_engine in startup_heap.owners()
     del llm
-    assert startup_heap._live_engines == live and (live or gc.get_freeze_count() == 0)
+    assert len(startup_heap.owners()) == live and (live or gc.get_freeze_count() == 0)
 
 
 def test_bad_requests_fail_alone(tiny_ckpt):

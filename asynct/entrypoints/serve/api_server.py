@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
+from asynct.engine.startup_heap import freeze_startup_heap
 from asynct.entrypoints.serve.async_engine import SHUTTING_DOWN, AsyncEngine
 from asynct.entrypoints.serve.chat import create_chat_completion, render_chat
 from asynct.entrypoints.serve.completions import create_completion
@@ -232,4 +233,7 @@ def make_app(model: str, served_model_name: str | None = None, api_key: str | No
         ctx.tokenizer.chat_template = template
     if engine.summary:
         log.info(summary_line(ctx.model_name, str(model), engine.summary, time.perf_counter() - t0))
-    return build_app(ctx, api_key, max_body_bytes, log_stats_interval)
+    app = build_app(ctx, api_key, max_body_bytes, log_stats_interval)
+    # this process's heap too (torch, transformers, FastAPI: a full collection stalled every stream)
+    freeze_startup_heap(engine)
+    return app
