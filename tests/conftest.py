@@ -23,9 +23,12 @@ def tiny_ckpt(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _release_gpu_memory():
-    """Each engine takes a share of free GPU memory: give it back between tests."""
+    """Each engine takes a share of free GPU memory: give it back between tests. Engines freeze
+    the heap they start with (asynct/engine/startup_heap.py), and one a module's fixture keeps
+    would keep it frozen, with any cycles a later test's engine leaves: unfrozen here."""
     yield
     if torch.cuda.is_available():
         import gc
+        gc.unfreeze()
         gc.collect()
         torch.cuda.empty_cache()
