@@ -241,7 +241,7 @@ def test_a_failed_lazy_capture_leaves_decoding_eager(tiny_ckpt, monkeypatch, cap
 
 def test_an_engine_freezes_the_startup_heap_while_it_lives(tiny_ckpt):
     """An oldest-generation collection walked the whole start-up heap (torch, transformers, the
-    model: some 400,000 objects, 130-190 ms, a step that long now and then); a built engine
+    model: some 400,000 objects, 160-210 ms, a step that long now and then); a built engine
     freezes it out of the collector's sight, and the last engine alive unfreezes it when freed."""
     import gc
     from asynct.engine import startup_heap
