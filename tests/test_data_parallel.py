@@ -244,6 +244,22 @@ def test_an_engine_that_died_idle_gets_no_new_requests(tiny_ckpt):
         llm.llm_engine.shutdown()
 
 
+def test_a_dropped_llm_stops_its_engines_and_unfreezes_the_heap(tiny_ckpt):
+    """The parent's start-up heap is frozen while the engines' front end lives, as one engine's is;
+    dropped, the front end stops its processes and is freed: its clients' callbacks held it through
+    its own finalizer, so it lived, its processes running, until the script ended."""
+    import gc
+    import weakref
+    from asynct.engine import startup_heap
+    live = len(startup_heap.owners())
+    llm = LLM(tiny_ckpt, data_parallel_size=2, **ENGINE)
+    engine, procs = weakref.ref(llm.llm_engine), [c.proc for c in llm.llm_engine.clients]
+    assert gc.get_freeze_count() > 10_000 and engine() in startup_heap.owners()
+    del llm
+    assert engine() is None and len(startup_heap.owners()) == live
+    assert all(p.exitcode is not None for p in procs)
+
+
 def test_ctrl_c_leaves_the_engine_processes_running(tiny_ckpt):
     """A terminal's Ctrl-C reaches every process of its group: each engine died of it (a
     KeyboardInterrupt traceback each), so an interrupted LLM.generate left no engine to go on with."""

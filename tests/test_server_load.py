@@ -150,6 +150,27 @@ def test_the_api_process_freezes_its_startup_heap(asgi):
     assert app.state.ctx.engine in startup_heap.owners()
 
 
+def test_a_dropped_app_frees_its_engine(asgi, tiny_ckpt):
+    """An app dropped once its server has stopped frees its engine, even with the heap still frozen
+    for another (the `asgi` app's): FastAPI keeps every endpoint, which held the engine; the app's
+    cycles, frozen with the heap, held it; so did its engine processes' callbacks. The engine and
+    the frozen heap lived for the rest of the process."""
+    import gc
+    import weakref
+    from asynct.engine import startup_heap
+    live = len(startup_heap.owners())
+    app = make_app(tiny_ckpt, served_model_name="tiny")
+    with ServerThread(app) as url:
+        body = {"model": "tiny", "prompt": "bye", "max_tokens": 2}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert httpx.get(url + "/metrics").status_code == 200
+    engine = weakref.ref(app.state.ctx.engine)
+    assert engine() in startup_heap.owners()
+    del app
+    gc.collect()
+    assert engine() is None and len(startup_heap.owners()) == live and gc.get_freeze_count() > 10_000
+
+
 async def leave_at(app, path, body, message_type, stuck):
     """POSTs `body`; the client goes away once the app writes a `message_type` message (None: at
     once). `stuck`: that write never completes (a client that stopped reading)."""

@@ -108,6 +108,10 @@ class CoreClient:
             self.proc.join(timeout=5)
         for t in self.threads:
             t.join(timeout=5)
+        if not any(t.is_alive() for t in self.threads):
+            # the callback holds the engine that holds this client: a cycle, never collected while
+            # the start-up heap is frozen for that engine (startup_heap.py)
+            self.on_message = None
 
     @property
     def is_alive(self) -> bool:

@@ -21,6 +21,7 @@ from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.prefix_routing import PrefixHomes, assign, prefix_keys
 from asynct.engine.sampling_params import SamplingParams
+from asynct.engine.startup_heap import freeze_startup_heap
 
 log = logging.getLogger("asynct")
 POLL_S = 1.0     # how long a step waits for a message before checking that the engines live
@@ -49,12 +50,16 @@ class DataParallelEngine:
         self.dead: list[str | None] = [None] * self.size
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         for i, c in enumerate(self.clients):
-            c.start(lambda msg, i=i: self.inbox.put((i, msg)))
+            # the inbox, not self: callbacks that held this engine kept it alive through its own
+            # finalizer's arguments (the clients), so that dropping it neither stopped its
+            # processes nor could unfreeze the heap
+            c.start(lambda msg, i=i, inbox=self.inbox: inbox.put((i, msg)))
         self.requests: dict[str, _Request] = {}
         self.unassigned: list[str] = []
         self.load = [0] * self.size           # work in flight per engine
         self.homes = PrefixHomes()
         self.done: list[RequestOutput] = []   # finished by the front end (failures), for the next step
+        freeze_startup_heap(self)     # the parent's heap too (torch, transformers), as LLMEngine's
 
     # ---- LLMEngine's interface --------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, stream: bool = False):

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import secrets
 import time
+import weakref
 from collections import Counter
 
 import uvicorn
@@ -48,6 +49,10 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: i
 
 
 def add_routes(app: FastAPI, ctx: ServingContext):
+    # FastAPI keeps every endpoint in module-level caches (fastapi.dependencies.models): endpoints
+    # that held the context kept a dropped app's engine alive, and the heap frozen
+    ctx, counts = weakref.proxy(ctx), app.state.http_counts
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await create_completion(body, request, ctx)
@@ -70,7 +75,7 @@ def add_routes(app: FastAPI, ctx: ServingContext):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(render_metrics(ctx.engine, ctx.model_name, app.state.http_counts, ctx.latency),
+        return PlainTextResponse(render_metrics(ctx.engine, ctx.model_name, counts, ctx.latency),
                                  media_type="text/plain; version=0.0.4")
 
     @app.post("/tokenize")
@@ -233,7 +238,8 @@ def make_app(model: str, served_model_name: str | None = None, api_key: str | No
         ctx.tokenizer.chat_template = template
     if engine.summary:
         log.info(summary_line(ctx.model_name, str(model), engine.summary, time.perf_counter() - t0))
-    app = build_app(ctx, api_key, max_body_bytes, log_stats_interval)
-    # this process's heap too (torch, transformers, FastAPI: a full collection stalled every stream)
+    # this process's heap too (torch, transformers, FastAPI: a full collection stalled every stream),
+    # but not the app's ~4,000 objects: FastAPI's cycles among them hold the engine, and frozen
+    # they were never collected once the app was dropped, nor the engine, nor the heap unfrozen
     freeze_startup_heap(engine)
-    return app
+    return build_app(ctx, api_key, max_body_bytes, log_stats_interval)
