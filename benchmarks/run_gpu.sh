@@ -10,7 +10,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELIS
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # .whl (not in git): wheels of what the server needs and the device image lacks (fastapi, starlette,
 # uvicorn, pydantic, pydantic_core, openai, jiter, annotated-types, typing-inspection, distro,
-# sniffio, and opentelemetry-api, which fastapi 0.165 imports)
+# sniffio, and opentelemetry-api, which fastapi 0.165 imports), made here with the device's Python
+# (3.12) and carried (the run's `carry: [".whl"]`; without it the server's tests stop at import):
+#   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+#     -d .whl $(.venv/bin/pip freeze | grep -i -E "^(fastapi|starlette|uvicorn|pydantic|pydantic.core|openai|jiter|annotated.types|typing.inspection|distro|sniffio|opentelemetry.api|h11|anyio|httpx|httpcore|importlib.metadata|zipp)==")
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
