@@ -11,7 +11,8 @@ partials: each stores its fp32 partial in its own slot (slot 1 for the segment t
 end of its range, 0 for the one it starts with), and the last of them to arrive (a counter)
 adds them in program order and stores the row: deterministic, no sum kernel. With a shared
 prefix (cascade) the launch's first programs take the prefix's tiles as the engine's do, the
-others the rows' own keys, and the engine's sum kernel adds the two.
+others the rows' own keys (as many fewer of them as there are prefix programs, so that the
+launch stays one wave), and the engine's sum kernel adds the two.
 
 The table compares, per shape, the engine's decode as its graphs launch it (16+ rows: the
 cascade variant, the prefix or none, its sum, rows longest first from 64) and plainly, the
@@ -92,6 +93,18 @@ def own_keys(seq_ptr, plen_ptr, rows, CASCADE: tl.constexpr, mask=True):
     return n, start
 
 
+@_jit
+def dealers(plen_ptr, n_prog, n_prefix_prog, CASCADE: tl.constexpr):
+    """The programs that deal out the rows' keys: all n_prog, or, where a prefix is shared, as
+    many fewer as the prefix tiles take (at most half), so that the launch stays one wave; the
+    others exit. A graph's launch is sized once for both cases."""
+    n = n_prog
+    if CASCADE:
+        if tl.load(plen_ptr) > 0:
+            n = tl.maximum(n_prog - n_prefix_prog, n_prog // 2)
+    return n
+
+
 @_jit(do_not_specialize=["B", "sbt", "sob", "soh", "N_PRE", "S_PRE"])
 def _streamk_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, plen_ptr, pre_ptr, sigma_ptr, out_ptr, part_ptr, cnt_ptr,
                     scale, B, sqb, sqh, sbt, sob, soh, s_blk, s_tok, s_head, G, HKV, N_PRE, S_PRE, ks_ptr, vs_ptr,
@@ -111,7 +124,7 @@ def _streamk_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, plen_ptr, pre_ptr, sig
         tiles = tl.where(rows < B, tl.maximum(tl.cdiv(n_keys - start, BLOCK_N), 1), 0)  # an empty row stores zeros
         ends = tl.cumsum(tiles * HKV, 0)     # the work items up to each row's end, row-major
         total = tl.max(ends, 0)
-        chunk = tl.cdiv(total, tl.num_programs(0) - N_PRE * HKV)
+        chunk = tl.cdiv(total, dealers(plen_ptr, tl.num_programs(0) - N_PRE * HKV, N_PRE * HKV, CASCADE))
         w = p * chunk
         p_end = tl.minimum(w + chunk, total)
         wait_for_prior(PDL)
