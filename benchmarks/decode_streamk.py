@@ -222,36 +222,6 @@ def check(device, dtype):
     return worst
 
 
-def bench(fns, reps=20):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1))
-    return statistics.median(times) * 1e-3 / len(fns)
-
-
-def copy_bandwidth():
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") * 1e-3
-    return 2 * x.numel() / t / 1e12
-
-
 # 168 registers a thread at the compiler's will (3 programs an SM); capped, the spills (16 bytes at
 # 128, 56 at 96) sit outside the key loop: 4 and 5 programs an SM (sm_90 compiles); 8 warps: 128
 STREAMK_VARIANTS = {"streamk 3/SM": dict(programs_per_sm=3), "streamk 4/SM cap": dict(programs_per_sm=4, maxnreg=128),
@@ -265,6 +235,8 @@ SHAPES = [   # rows, min keys, max keys, shared prefix keys (gsm8k-shaped: 688 o
 
 
 def timing():
+    from kernel_bench import bench, copy_bandwidth   # a graph of the calls over input sets; the copy peer
+
     from asynct.attention.graph_inputs import longest_first
     from asynct.ops.asynci_decode import asynci_decode_triton
     bw = copy_bandwidth()
@@ -318,11 +290,13 @@ def time_variant(fn, sets, outs, sigma, kw, orders=None):
         extra = {"order": r} if orders is not None and "order" not in kw else {}
         return fn(s[0], s[1], s[2], s[3], sigma, 0.03, 3, True, o, **kw, **extra)
     rs = orders if orders is not None else [None] * len(sets)
+    from kernel_bench import bench
     return bench([lambda s=s, o=o, r=r: call(s, o, r) for s, o, r in zip(sets, outs, rs)])
 
 
 def sdpa_peers(sets, b, t):
     """SDPA's cuDNN and flash backends on dense K/V of the same shape: seconds a call by backend."""
+    from kernel_bench import bench
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
     times = {}
