@@ -154,7 +154,7 @@ def test_a_dropped_app_frees_its_engine(asgi, tiny_ckpt):
     """An app dropped once its server has stopped frees its engine, even with the heap still frozen
     for another (the `asgi` app's): FastAPI keeps every endpoint, which held the engine; the app's
     cycles, frozen with the heap, held it; so did its engine processes' callbacks. The engine and
-    the frozen heap lived for the rest of the process."""
+    the frozen heap lived for the rest of the process, and its render threads idled on."""
     import gc
     import weakref
     from asynct.engine import startup_heap
@@ -164,6 +164,10 @@ def test_a_dropped_app_frees_its_engine(asgi, tiny_ckpt):
         body = {"model": "tiny", "prompt": "bye", "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
         assert httpx.get(url + "/metrics").status_code == 200
+        workers = list(app.state.ctx.workers.threads)
+    for t in workers:       # the app's render threads end with its server, not idle for good
+        t.join(timeout=10)
+    assert workers and not any(t.is_alive() for t in workers)
     engine = weakref.ref(app.state.ctx.engine)
     assert engine() in startup_heap.owners()
     del app

@@ -39,6 +39,7 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: i
         if stats:
             stats.cancel()
         ctx.engine.stop()
+        ctx.workers.stop()
 
     app = FastAPI(title="asynct", lifespan=lifespan)
     app.state.ctx, app.state.http_counts, app.state.limits = ctx, Counter(), ctx.limits

@@ -33,22 +33,37 @@ def error_body(status: int, message: str, code=None, param=None) -> dict:
 
 class Workers:
     """Daemon threads that tokenise and render chat templates off the event loop. Daemons, so
-    that work which never ends cannot keep the process from exiting."""
+    that work which never ends cannot keep the process from exiting; started by the first job
+    and ended with the app's lifespan (a dropped app's were left idle for good)."""
 
     def __init__(self, num_threads: int = 4):
+        self.num_threads = num_threads
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
-        for i in range(num_threads):
-            threading.Thread(target=self._work, name=f"asynct-render-{i}", daemon=True).start()
+        self.threads: list[threading.Thread] = []
 
     async def run(self, timeout: float, fn, *args):
         """fn(*args) in a worker; raises TimeoutError after `timeout` seconds (the worker runs on)."""
+        if not self.threads:
+            self.start()
         future = asyncio.get_running_loop().create_future()
         self.jobs.put((future, fn, args))
         return await asyncio.wait_for(future, timeout)
 
+    def start(self):
+        self.threads = [threading.Thread(target=self._work, name=f"asynct-render-{i}", daemon=True)
+                        for i in range(self.num_threads)]
+        for t in self.threads:
+            t.start()
+
+    def stop(self):
+        """Each thread ends after the jobs queued before this (a later job starts new ones)."""
+        for _ in self.threads:
+            self.jobs.put(None)
+        self.threads = []
+
     def _work(self):
-        while True:
-            future, fn, args = self.jobs.get()
+        while (job := self.jobs.get()) is not None:
+            future, fn, args = job
             try:
                 result, error = fn(*args), None
             except Exception as e:
