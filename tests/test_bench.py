@@ -76,3 +76,27 @@ def test_bench_refuses_options_it_would_ignore(tiny_ckpt, capsys):
     assert "--preset" in capsys.readouterr().err
     assert main(["bench", "--model", str(tiny_ckpt), "--hf-requests", "8", "--workloads", "latency"]) == 2
     assert "--compare hf" in capsys.readouterr().err
+
+
+def test_a_step_is_charged_its_own_launch_not_the_next_ones(monkeypatch):
+    """Async scheduling: the call that finishes step k also launches step k + 1. A decode step
+    finished while a 23 ms mixed step launched was charged those 23 ms; each step's wall now
+    holds its own launch (made in the call before) and not the next one's, and the walls still
+    add up to the calls' time plus the first launch."""
+    from types import SimpleNamespace
+    from asynct.engine import llm_engine
+    clock = iter([10.0, 13.0, 40.0, 45.0])      # the calls' ends
+    monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: next(clock))
+    step = lambda kind, host: SimpleNamespace(kind=kind, host_s=host, events=None, kv_tokens=0,  # noqa: E731
+                                              batch=SimpleNamespace(seqs=[0], total_tokens=1))
+    eng = SimpleNamespace(step_log=[], _last_step_end=None, _launch_ahead=0.0, runner=SimpleNamespace())
+    decode1, decode2, mixed = step("graph", 2.0), step("graph", 2.0), step("piecewise mixed", 23.0)
+    record = llm_engine.LLMEngine._record
+    record(eng, None, 8.0, decode1)       # launches decode1, finishes nothing
+    record(eng, decode1, 10.0, decode2)   # 3 s: decode2's launch (2) and decode1's wait
+    record(eng, decode2, 13.0, mixed)     # 27 s: the mixed step's launch (23) and 4 s more
+    record(eng, mixed, 40.0, None)        # 5 s: the mixed step's device tail
+    walls = [r.wall_s for r in eng.step_log]
+    assert [r.kind for r in eng.step_log] == ["graph", "graph", "piecewise mixed"]
+    assert walls == [3.0 - 2.0 + 2.0, 27.0 - 23.0 + 2.0, 5.0 + 23.0]
+    assert sum(walls) == (45.0 - 10.0) + 2.0

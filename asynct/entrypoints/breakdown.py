@@ -1,5 +1,6 @@
 """Where a workload's time goes, per step kind (`asynct bench --breakdown`): steps, wall time
-between step ends, device time of the forward and sampling, and host time to launch a step.
+between step ends (its own launch in, the next step's out: LLMEngine._record), device time of the
+forward and sampling, and host time to launch a step.
 With async scheduling a step's wall time near its device time means the host keeps up."""
 from collections import defaultdict
 
