@@ -89,7 +89,8 @@ def test_a_step_is_charged_its_own_launch_not_the_next_ones(monkeypatch):
     monkeypatch.setattr(llm_engine.time, "perf_counter", lambda: next(clock))
     step = lambda kind, host: SimpleNamespace(kind=kind, host_s=host, events=None, kv_tokens=0,  # noqa: E731
                                               batch=SimpleNamespace(seqs=[0], total_tokens=1))
-    eng = SimpleNamespace(step_log=[], _last_step_end=None, _launch_ahead=0.0, runner=SimpleNamespace())
+    eng = SimpleNamespace(step_log=[], _last_step_end=None, runner=SimpleNamespace(),
+                          args=SimpleNamespace(async_scheduling=True))
     decode1, decode2, mixed = step("graph", 2.0), step("graph", 2.0), step("piecewise mixed", 23.0)
     record = llm_engine.LLMEngine._record
     record(eng, None, 8.0, decode1)       # launches decode1, finishes nothing

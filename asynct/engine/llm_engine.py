@@ -99,7 +99,6 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
         self.in_flight: LaunchedStep | None = None   # launched, not finished (async scheduling)
         self._last_step_end = None
-        self._launch_ahead = 0.0      # host seconds launching the step in flight (in an earlier call)
         self.step_log: list | None = None   # benchmarks set a list: one StepRecord per step
         freeze_startup_heap(self)
 
@@ -192,7 +191,7 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
         else:
             finishing = launched
         outputs = self._finish(finishing) if finishing is not None else []
-        self._record(finishing, t0, launched if finishing is not launched else None)
+        self._record(finishing, t0, launched if self.args.async_scheduling else None)
         return outputs
 
     def _advance(self, launched: LaunchedStep):
@@ -216,15 +215,16 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
         """Benchmarks' per-step log: the wall time between step ends is a step's real cost, but
         with async scheduling the call that finishes a step also launches the next (`ahead`),
         whose host launch is that step's cost, not this one's: a decode graph step before a
-        piecewise mixed step was charged the mixed step's 23 ms launch (H200, gsm8k)."""
+        piecewise mixed step was charged the mixed step's 23 ms launch (H200, gsm8k). This
+        step's own launch, made in the call before, is charged to it instead."""
         end = time.perf_counter()
         start = self._last_step_end if self.step_log and self._last_step_end else t0
         self._last_step_end = end
-        own, self._launch_ahead = self._launch_ahead, ahead.host_s if ahead is not None else 0.0
         self.runner.timed = self.step_log is not None
         if self.step_log is None or launched is None:
             return
         b = launched.batch
         gpu = launched.events[0].elapsed_time(launched.events[1]) / 1e3 if launched.events else None
+        shift = launched.host_s - (ahead.host_s if ahead else 0.0) if self.args.async_scheduling else 0.0
         self.step_log.append(StepRecord(launched.kind, len(b.seqs), b.total_tokens, launched.kv_tokens,
-                                        end - start - self._launch_ahead + own, launched.host_s, gpu))
+                                        end - start + shift, launched.host_s, gpu))
