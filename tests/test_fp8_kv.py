@@ -213,9 +213,10 @@ def test_static_bounds_hold_and_k_bound_is_tight(tiny_ckpt):
 
 
 def test_observed_kv_max_reads_back_what_the_qkv_kernel_stored(tiny_ckpt, monkeypatch):
-    """Steps of <= 16 tokens (the engine's SMALL_M is larger; interpreted, small steps stay fast)
-    take the fused QKV kernel, which stores k/v in the cache itself: the maxima read back from it
-    equal those of the same engine with the store left to the attention backend."""
+    """The QKV projection stores k/v in the cache itself, the fused kernel (steps of <= 16 tokens
+    here: the engine's SMALL_M is larger; interpreted, small steps stay fast) and the unfused
+    path's q/k kernel alike: the maxima read back from it equal those of the same engine with
+    the store left to the attention backend."""
     from asynct.attention.base import AttentionImpl
     from asynct.model import engine_model
     from asynct.ops import fused_linear
@@ -230,7 +231,7 @@ def test_observed_kv_max_reads_back_what_the_qkv_kernel_stored(tiny_ckpt, monkey
     stored_by_qkv.clear()
     folded = observed_kv_max(llm, prompts)
     assert stored_by_qkv and all(stored_by_qkv)
-    monkeypatch.setattr(engine_model.Attention, "cache_target", lambda self: {})
+    monkeypatch.setattr(engine_model.Attention, "cache_target", lambda self, slot_mapping=None: {})
     plain = observed_kv_max(llm, prompts)
     for a, b in zip(folded, plain):
         for x, y in zip(a, b):

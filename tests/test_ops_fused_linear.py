@@ -496,13 +496,13 @@ def test_engine_through_the_fused_kernels_matches_the_reference(tiny_ckpt, refer
 
 
 def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
-    """Each kind of launch (kernel, constexprs, warps) that a step of 1 to SMALL_M tokens makes,
-    with the KV store and without, is one the engine's warm-up makes (bench-0.6b's layer on an
-    H200's 132 SMs, kernels replaced by recorders): nothing compiles in the middle of serving.
-    Three-token steps once took dot tiles no warm-up count reached, until the warm-up counted
-    the first count past the GEMV rows; two-token QKV calls without the store take the
-    CUDA-core path since it serves QKV at two rows. Decode steps of up to DECODE_SUMS_MAX_ROWS
-    sequences zero fp32 sums in QKV and feed them to o_proj: the warm-up's decode steps."""
+    """Each kind of launch (kernel, constexprs, warps) that a step of 1 to SMALL_M tokens makes
+    (every step stores its keys, a piecewise graph's pieces too) is one the engine's warm-up
+    makes (bench-0.6b's layer on an H200's 132 SMs, kernels replaced by recorders): nothing
+    compiles in the middle of serving. Three-token steps once took dot tiles no warm-up count
+    reached, until the warm-up counted the first count past the GEMV rows. Decode steps of up
+    to DECODE_SUMS_MAX_ROWS sequences zero fp32 sums in QKV and feed them to o_proj: the
+    warm-up's decode steps."""
     from asynct.attention.triton_backend import DECODE_SUMS_MAX_ROWS
     from asynct.engine.runner_startup import warmup_decode_counts, warmup_token_counts
     from asynct.ops import fused_linear as fl
@@ -524,32 +524,27 @@ def test_warm_up_launches_every_fused_linear_variant_a_step_can(monkeypatch):
     one, rope = torch.ones(1), rope_cos_sin_cache(d, 64)
     cache = torch.zeros(2, 4, 16, hkv, d, dtype=bf)
 
-    def layer(t, store=True, sums=False):
-        target = dict(kv_cache=cache, slot_mapping=torch.zeros(t, dtype=torch.long)) if store else {}
+    def layer(t, sums=False):
+        target = dict(kv_cache=cache, slot_mapping=torch.zeros(t, dtype=torch.long))
         if sums:    # a small decode step's: the decode adds into fp32 sums that QKV zeroes
             target["attn_sums"] = torch.zeros(t, hq, d)
         x = torch.zeros(t, c, dtype=bf)
         linear_qk_norm_rope_triton(x, w_qkv, torch.zeros(t, dtype=torch.long), hq, hkv, one, one, one, one,
                                    rope, **target)
-        if store:
-            res = torch.zeros(t, c, dtype=bf)
-            linear_dyht_add_triton(torch.zeros(t, hq * d, dtype=torch.float32 if sums else bf), w_o, res, one, one,
-                                   one, one)
-            linear_reglu_triton(x, w_gu)
-            linear_dyht_add_triton(torch.zeros(t, inter, dtype=bf), w_down, res, one, one)
-    forwards, no_store = warmup_token_counts()
-    for t in forwards:
+        res = torch.zeros(t, c, dtype=bf)
+        linear_dyht_add_triton(torch.zeros(t, hq * d, dtype=torch.float32 if sums else bf), w_o, res, one, one,
+                               one, one)
+        linear_reglu_triton(x, w_gu)
+        linear_dyht_add_triton(torch.zeros(t, inter, dtype=bf), w_down, res, one, one)
+    for t in warmup_token_counts():
         if t <= SMALL_M:
             layer(t)
-    for t in no_store:
-        layer(t, store=False)
     for t in warmup_decode_counts():
         layer(t, sums=True)
     warm = set(seen)
     for t in range(1, SMALL_M + 1):
         seen.clear()
         layer(t)
-        layer(t, store=False)
         if t <= DECODE_SUMS_MAX_ROWS:
             layer(t, sums=True)
         assert seen <= warm, (t, sorted(seen - warm))

@@ -7,14 +7,16 @@ end of layer i - 1 + the start of layer i; the end of the last layer), and a ste
 smallest bucket that holds it, running each layer's attention eagerly between two replays:
 35 layers of ~12 launches become 36 replays and 35 attention calls.
 
-Graphs communicate through static buffers (q, k, v, the attention output, the residual stream,
-the final hidden state), which the ops write in place: the QKV projection into `qkv` (v is a
-view of it), q and k normed and rotated into theirs, each layer's last op into the residual
-stream. Copies into them (four a layer, 7 % of a prefill workload's GPU time on the H200:
-benchmarks/RESULTS.md) remain only where an op writes elsewhere (the embedding, the fused
-decode-sized kernels' v). Everything else a piece allocates comes from one memory pool that all
-pieces share, captured and replayed in the same order. Padding rows (bucket past the step's
-tokens) compute garbage that nothing reads: attention and the KV write see only real tokens."""
+Graphs communicate through static buffers (the tokens' ids, positions and cache slots, q, the
+attention output, the residual stream, the final hidden state), which the ops write in place:
+the QKV projection into `qkv`, q normed and rotated into its buffer, k and v into the KV cache at
+the static slots (the q/k kernel stores them: no KV-write launch between the pieces), each
+layer's last op into the residual stream. Copies into them (four a layer, 7 % of a prefill
+workload's GPU time on the H200: benchmarks/RESULTS.md) remain only where an op writes
+elsewhere (the embedding). Everything else a piece allocates comes from one memory pool that
+all pieces share, captured and replayed in the same order. Padding rows (bucket past the step's
+tokens) compute garbage that nothing reads: their slots are -1 (no store), and attention sees
+only real tokens."""
 import functools
 
 import torch
@@ -44,10 +46,9 @@ class PiecewiseGraphRunner:
         self.input_ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t, dtype=torch.long, device=dev)
         nq, nkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        self.slot_mapping = torch.full((t,), -1, dtype=torch.long, device=dev)
         self.qkv = torch.zeros(t, nq + 2 * nkv, dtype=dt, device=dev)
         self.q = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dt, device=dev)
-        self.k = torch.zeros(t, c.num_key_value_heads, c.head_dim, dtype=dt, device=dev)
-        self.v = self.qkv[:, nq + nkv:].view(t, c.num_key_value_heads, c.head_dim)
         self.attn_out = torch.zeros_like(self.q)
         self.residual = torch.zeros(t, c.hidden_size, dtype=dt, device=dev)
         self.hidden = torch.zeros_like(self.residual)
@@ -65,9 +66,11 @@ class PiecewiseGraphRunner:
         if i == len(m.layers):
             self.hidden[:t].copy_(n)
             return
-        q, k, v = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache, write_kv=False,
-                                               out=(self.qkv[:t], self.q[:t], self.k[:t]))
-        for buf, x in ((self.q, q), (self.k, k), (self.v, v), (self.residual, residual)):
+        q, k, _ = m.layers[i].attention_inputs(self.positions[:t], n, m.cos_sin_cache, slot_mapping=self.slot_mapping[:t],
+                                               out=(self.qkv[:t], self.q[:t], None))
+        if k is not None:
+            raise RuntimeError(f"layer {i}'s keys did not go to the cache {tuple(m.layers[i].attn.kv_cache.shape)}")
+        for buf, x in ((self.q, q), (self.residual, residual)):
             _place(buf[:t], x)
 
     @torch.inference_mode()
@@ -94,10 +97,12 @@ class PiecewiseGraphRunner:
         t = next(s for s in self.sizes if s >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(metadata.slot_mapping[:n], non_blocking=True)
+        self.slot_mapping[n:t].fill_(-1)    # a larger step's slots before: padding stores nothing
         pieces = self.graphs[t]
-        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        q, out = self.q[:n], self.attn_out[:n]
         for piece, layer in zip(pieces, self.model.layers):
             piece()
-            layer.attn.impl.forward(q, k, v, layer.attn.kv_cache, metadata, out)
+            layer.attn.impl.forward(q, None, None, layer.attn.kv_cache, metadata, out)
         pieces[-1]()
         return self.hidden[:n]

@@ -22,15 +22,16 @@ log = logging.getLogger("asynct")
 WARMUP_TOKENS = ops.SMALL_M + 1
 
 
-def warmup_token_counts() -> tuple[list[int], list[int]]:
-    """(the warm-up's forwards, its QKV calls without the KV store), in tokens: every count the
-    fused linears' CUDA-core path may take (1 to GEMV_MAX_ROWS: each has its warps), the first
-    past it and each larger row tile's size (every op's dot tiles at every row tile; an op the
-    GEMV serves at fewer rows reaches its 16-row tiles at that first count too), one past
-    SMALL_M (the unfused ops, the KV write)."""
+def warmup_token_counts() -> list[int]:
+    """The warm-up's forwards, in tokens: every count the fused linears' CUDA-core path may take
+    (1 to GEMV_MAX_ROWS: each has its warps), the first past it and each larger row tile's size
+    (every op's dot tiles at every row tile; an op the GEMV serves at fewer rows reaches its
+    16-row tiles at that first count too), one past SMALL_M (the unfused ops). Every step stores
+    its keys in the QKV projection's kernels, piecewise graphs' pieces too: no QKV call without
+    the store is made."""
     first_dot = ops.GEMV_MAX_ROWS + 1
     gemv_and_dots = [*range(1, first_dot + 1), *(t for t in ops.ROW_TILES if t > first_dot)]
-    return sorted({*gemv_and_dots, WARMUP_TOKENS}), gemv_and_dots
+    return sorted({*gemv_and_dots, WARMUP_TOKENS})
 
 
 def warmup_decode_counts() -> list[int]:
@@ -107,11 +108,9 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: the attention variants no
         forward reaches (first: in the compile pass, the longest compiles start first), forwards
-        and QKV calls without the KV store (what a piecewise graph's small pieces run) of
-        warmup_token_counts, small decode steps, the penalties' and the argmax's kernels."""
+        of warmup_token_counts, small decode steps, the penalties' and the argmax's kernels."""
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
-        forwards, no_store = warmup_token_counts()
-        for n in forwards:
+        for n in warmup_token_counts():
             n = min(n, self.num_kv_blocks * self.block_size)
             blocks = list(range(-(-n // self.block_size)))
             step = StepInputs([n], [n], [blocks], list(range(n)), 0)
@@ -121,10 +120,6 @@ class RunnerStartup:
             step = StepInputs([1] * n, [1] * n, [[0]] * n, [-1] * n, n)
             self._forward(torch.zeros(n, dtype=torch.long, device=self.device),
                           torch.zeros(n, dtype=torch.long, device=self.device), self.builder.build(step))
-        for n in no_store:
-            x = torch.zeros(n, self.config.hidden_size, dtype=self.dtype, device=self.device)
-            self.model.layers[0].attention_inputs(torch.zeros(n, dtype=torch.long, device=self.device), x,
-                                                  self.model.cos_sin_cache, write_kv=False)
         warmup_penalties(self.config.vocab_size, self.device)
         warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)

@@ -36,11 +36,13 @@ class Attention(nn.Module):
                              config.asynci_pool_size, config.asynci_relu_pre)
         self.kv_cache = torch.empty(0)
 
-    def cache_target(self) -> dict:
-        """Where this step's keys and values go: the layer's cache, the tokens' slots, its
-        FP8 scales (the fused QKV projection stores them there itself)."""
-        return dict(kv_cache=self.kv_cache, slot_mapping=get_context().attn_metadata.slot_mapping,
-                    **self.impl.kv_scales)
+    def cache_target(self, slot_mapping=None) -> dict:
+        """Where this step's keys and values go: the layer's cache, the tokens' slots (the
+        step's metadata's, unless given), its FP8 scales (the QKV projection's kernels store
+        them there themselves)."""
+        if slot_mapping is None:
+            slot_mapping = get_context().attn_metadata.slot_mapping
+        return dict(kv_cache=self.kv_cache, slot_mapping=slot_mapping, **self.impl.kv_scales)
 
     def attn_sums(self, rows: int) -> torch.Tensor | None:
         """Where the backend's attention of this step adds up (`accumulates`): fp32 [rows, Hq, D]
@@ -78,14 +80,14 @@ class DecoderLayer(nn.Module):
         q, k, v = self.attention_inputs(positions, n, cos_sin, attn_sums=sums)
         return self.after_attention(self.attn(q, k, v, sums), residual, next_norm)
 
-    def attention_inputs(self, positions, n, cos_sin, write_kv=True, attn_sums=None, out=None):
+    def attention_inputs(self, positions, n, cos_sin, attn_sums=None, out=None, slot_mapping=None):
         """q, k, v of the tokens, normed and rotated: everything of the layer before attention.
-        With write_kv, k and v may come back None: stored in the cache already. A captured
-        piece of a piecewise graph must not store (its step's slots are not static); it hands
-        its static buffers as `out` (ops.linear_qk_norm_rope's). `attn_sums` comes back zeroed
-        (Attention.attn_sums)."""
+        k and v come back None where they went to the cache (the layer's, when bound), at
+        `slot_mapping` where given (a piecewise graph's static slots), else the step's. A
+        captured piece hands its static buffers as `out` (ops.linear_qk_norm_rope's).
+        `attn_sums` comes back zeroed (Attention.attn_sums)."""
         qn, kn = self.q_norm, self.k_norm
-        target = self.attn.cache_target() if write_kv else {}
+        target = self.attn.cache_target(slot_mapping)
         return ops.linear_qk_norm_rope(n, self.qkv_proj.weight, positions, self.num_heads,
                                        self.num_kv_heads, qn.alpha, qn.weight, kn.alpha, kn.weight, cos_sin,
                                        attn_sums=attn_sums, out=out, **target)

@@ -59,9 +59,9 @@ def set_kv_scales(model):
 @torch.no_grad()
 def observed_kv_max(llm, prompts) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the largest |k| and |v| ([Hkv, D]) that prefilling `prompts` produces: what the
-    bounds are measured against (docs/fp8_kv.md, tests). Where the fused QKV kernel stored them
-    (steps of <= ops.SMALL_M tokens), they are read back from the cache: measure on a 16-bit cache (an
-    FP8 one holds them clamped to the bounds)."""
+    bounds are measured against (docs/fp8_kv.md, tests). Where the QKV projection stored them
+    (every step, once the cache is bound), they are read back from the cache: measure on a 16-bit
+    cache (an FP8 one holds them clamped to the bounds)."""
     from asynct import SamplingParams
     model = llm.llm_engine.runner.model
     seen = [[None, None] for _ in model.layers]
@@ -71,7 +71,7 @@ def observed_kv_max(llm, prompts) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
         def wrapped(q, k, v, kv_cache, md, *rest):
             out = forward(q, k, v, kv_cache, md, *rest)
-            if k is None:       # the fused QKV projection stored them: read them back
+            if k is None:       # the QKV projection stored them: read them back
                 slots = md.slot_mapping[md.slot_mapping >= 0]
                 k, v = (dequantize(kv_cache[j].flatten(0, 1)[slots], s, torch.float32)
                         for j, s in ((0, impl.k_scale), (1, impl.v_scale)))

@@ -16,7 +16,8 @@ from asynct.ops.fused_linear import (GEMV_MAX_ROWS, ROW_TILES, SMALL_M, linear_d
 from asynct.ops.kv_cache import write_kv_cache, write_kv_cache_ref, write_kv_cache_triton
 from asynct.ops.paged_ref import asynci_decode_ref, asynci_prefill_ref
 from asynct.ops.reglu import reglu, reglu_ref, reglu_triton
-from asynct.ops.rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_triton, rope,
+from asynct.ops.rope import (qk_norm_rope, qk_norm_rope_ref, qk_norm_rope_to_cache, qk_norm_rope_to_cache_triton,
+                             qk_norm_rope_triton, rope,
                              rope_cos_sin_cache, rope_ref, rope_triton)
 
 if torch.cuda.is_available() and importlib.util.find_spec("triton") is None:
@@ -30,7 +31,8 @@ __all__ = [
     "GEMV_MAX_ROWS", "ROW_TILES", "SMALL_M", "linear_dyht_add", "linear_dyht_add_unfused", "linear_dyht_add_triton",
     "linear_qk_norm_rope", "linear_qk_norm_rope_unfused", "linear_qk_norm_rope_triton",
     "linear_reglu", "linear_reglu_unfused", "linear_reglu_triton",
-    "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_triton",
+    "qk_norm_rope", "qk_norm_rope_ref", "qk_norm_rope_to_cache", "qk_norm_rope_to_cache_triton",
+    "qk_norm_rope_triton",
     "reglu", "reglu_ref", "reglu_triton",
     "rope", "rope_cos_sin_cache", "rope_ref", "rope_triton",
     "write_kv_cache", "write_kv_cache_ref", "write_kv_cache_triton",

@@ -20,7 +20,7 @@ from asynct.ops.fused_linear_checks import (SMALL_M, cache_problem, check, head_
 from asynct.ops.fused_linear_kernels import gate_up_reglu_kernel, linear_dyht_add_kernel, qkv_rope_kernel
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.reglu import reglu
-from asynct.ops.rope import qk_norm_rope
+from asynct.ops.rope import qk_norm_rope, qk_norm_rope_to_cache
 
 L2_PREFETCH = True  # off only for the same-run peer of benchmarks/small_batch.py
 HALF_TILE = 8       # paired programs: 8 rows of each half, one 16-row tile
@@ -52,15 +52,22 @@ GEMV_EARLY_ELEMENTS = 8192
 
 
 def linear_qk_norm_rope_unfused(x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight,
-                                k_alpha, k_weight, cos_sin_cache, out=None):
-    """`out` (qkv [T, rows], q, k buffers): the projection, q and k go there (v is a view of qkv)."""
+                                k_alpha, k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None,
+                                k_scale=None, v_scale=None, out=None):
+    """`out` (qkv [T, rows], q, k buffers): the projection, q and k go there (v is a view of qkv).
+    Given the cache, k and v go there instead (qk_norm_rope_to_cache) and come back None."""
     qkv = F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=_qkv_buffer(out[0], x, weight))
     t, d = x.shape[0], cos_sin_cache.shape[-1]
     nq, nk = num_heads * d, num_kv_heads * d
     q, k = qkv[:, :nq].view(t, num_heads, d), qkv[:, nq:nq + nk].view(t, num_kv_heads, d)
-    q, k = qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache,
-                        None if out is None else out[1:])
-    return q, k, qkv[:, nq + nk:].view(t, num_kv_heads, d)
+    v = qkv[:, nq + nk:].view(t, num_kv_heads, d)
+    norms = (q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)
+    if kv_cache is not None:
+        q = qk_norm_rope_to_cache(q, k, v, positions, *norms, kv_cache, slot_mapping, k_scale, v_scale,
+                                  None if out is None else out[1])
+        return q, None, None
+    q, k = qk_norm_rope(q, k, positions, *norms, None if out is None else out[1:])
+    return q, k, v
 
 
 def _qkv_buffer(buf, x, weight):
@@ -234,9 +241,10 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
                         k_weight, cos_sin_cache, kv_cache=None, slot_mapping=None, k_scale=None,
                         v_scale=None, attn_sums=None, out=None):
     """q, k, v [T, H, D] of `x @ weight.T` (the fused QKV projection), q and k DyHT-normed and
-    rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, the
-    fused kernel stores k and v there itself (one kernel fewer a layer) and returns (q, None,
-    None); the unfused path returns k and v for the attention backend to store.
+    rotated (NeoX RoPE over the whole head). Given the paged cache and the tokens' slots, k and v
+    go there and come back None: the fused kernel stores them itself, the unfused path's q/k
+    kernel does (qk_norm_rope_to_cache; one kernel fewer a layer either way). Without a cache
+    (or with one that does not fit) k and v come back for the attention backend to store.
     `positions` and `slot_mapping` must not be written by the kernel launched just before this
     call (host-written step inputs are not): with programmatic dependent launch the fused kernel
     reads them, and their cos/sin, while that kernel still runs.
@@ -248,13 +256,13 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
             cos_sin_cache)
     d = cos_sin_cache.shape[-1]
+    target = () if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d) else \
+        (kv_cache, slot_mapping, k_scale, v_scale)
     if not (_fast(x, weight) and head_dim_problem(d, 2 * HALF_TILE) is None):
         if attn_sums is not None:
             attn_sums.zero_()
-        return linear_qk_norm_rope_unfused(*args, out=out)
-    if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d):
-        return linear_qk_norm_rope_triton(*args, attn_sums=attn_sums, out=out)
-    return linear_qk_norm_rope_triton(*args, kv_cache, slot_mapping, k_scale, v_scale, attn_sums, out)
+        return linear_qk_norm_rope_unfused(*args, *(target or (None,) * 4), out=out)
+    return linear_qk_norm_rope_triton(*args, *(target or (None,) * 4), attn_sums=attn_sums, out=out)
 
 
 def linear_reglu(x, weight):
