@@ -228,6 +228,10 @@ def elementwise(copy_bw):
         ("write_kv", f"[{t},{HKV},{D}] x2",
          [lambda k=k, v=v, c=c: ops.write_kv_cache(k, v, c, slots)
           for k, v, c in zip(ks, vs, caches)], 4 * ks[0].numel()),
+        # the engine's q/k kernel with the KV write folded in: against qk_rope + write_kv above
+        ("qk_rope+kv", f"[{t},{HQ}+{HKV}+{HKV},{D}]",
+         [lambda q=q, k=k, v=v, c=c: ops.qk_norm_rope_to_cache(q, k, v, pos, a, w, a, w, cs, c, slots)
+          for q, k, v, c in zip(qs, ks, vs, caches)], 2 * (qs[0].numel() + 2 * ks[0].numel())),
         ("dyht", f"[{4 * t},{C}] torch-eager",
          [lambda x=x: (cw * (ca * x.float()).clamp(-1, 1)).to(BF) for x in xs], 2 * x0.numel()),
     ]
