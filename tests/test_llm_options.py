@@ -222,6 +222,9 @@ BAD_ADJUSTMENTS = [
     ("logit_bias", [(5, 1.0)], "map token ids"), ("allowed_token_ids", [], "must not be empty"),
     ("allowed_token_ids", [-1], "must be token ids"), ("allowed_token_ids", [5, "6"], "list of integers"),
     ("allowed_token_ids", [True], "list of integers"),
+    # finite, but inf in the sampler's fp32 logits: the row's softmax was NaN and drew token 0
+    ("repetition_penalty", 1e-40, r"must be in \[1e-06, 1e\+06\]"), ("repetition_penalty", 1e300, "fp32"),
+    ("logit_bias", {5: 1e300}, r"values must be in \[-1e\+30, 1e\+30\]"), ("logit_bias", {5: -1e31}, "fp32"),
 ]
 
 
@@ -245,6 +248,17 @@ def test_bias_and_allowed_tokens_must_be_in_the_vocabulary(llm):
         assert e.value.param == field
         out = llm.generate(["hi"], SamplingParams(**{field: value}), use_tqdm=False)[0]
         assert field in out.error
+
+
+def test_adjustments_at_their_bounds_keep_the_logits_finite(llm):
+    """A bias of 1e300 (inf in fp32) or a repetition penalty of 1e-40 made the row's logits inf and
+    its softmax NaN: every draw was token 0, outside allowed_token_ids too, with no error. At the
+    bounds, with the temperature floor, the row still draws what it allows."""
+    bounds = [dict(logit_bias={5: 1e30}, repetition_penalty=1e-6),
+              dict(logit_bias={5: -1e30}, repetition_penalty=1e6, allowed_token_ids=[5])]
+    for kw in bounds:
+        out = llm.generate(["hi"], SamplingParams(temperature=0.01, seed=0, max_tokens=4, **kw), use_tqdm=False)[0]
+        assert out.error is None and out.outputs[0].token_ids == [5] * 4, kw
 
 
 def token_ids(outs):

@@ -393,6 +393,7 @@ NAMED = [  # (path, body, the field `param` must name): each once answered param
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 1e-40}, "repetition_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1, "five": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"259": 1}}, "logit_bias"),

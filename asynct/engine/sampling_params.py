@@ -12,6 +12,12 @@ INT64_MIN, UINT64_END = -2**63, 2**64     # what a torch.Generator seed can hold
 INT64_END = 2**63
 log = logging.getLogger("asynct")
 MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [-2, 2]
+# the sampler's logits are fp32, and an inf among them makes the row's softmax NaN, which drew
+# token 0 whatever the row allowed (a bias of 1e300 is inf in fp32; a logit divided by a repetition
+# penalty of 1e-40 overflows). At these bounds the worst case stays finite: a logit of 1e30
+# (biased), / 1e-6 (penalty), / 0.01 (the temperature floor) is 1e38, below fp32's 3.4e38.
+MAX_LOGIT_BIAS = 1e30
+MIN_REPETITION_PENALTY = 1e-6      # and at most its inverse
 # the server's cap on logprobs and prompt_logprobs (vLLM's default max_logprobs), and what the
 # start-up memory profile samples with; LLM takes up to the vocabulary
 MAX_LOGPROBS = 20
@@ -134,7 +140,12 @@ class SamplingParams:
               for name, v in (("presence_penalty", self.presence_penalty),
                               ("frequency_penalty", self.frequency_penalty))],
             (self.repetition_penalty <= 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.repetition_penalty > 0 and not MIN_REPETITION_PENALTY <= self.repetition_penalty
+             <= 1 / MIN_REPETITION_PENALTY, f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+             f"{1 / MIN_REPETITION_PENALTY:g}] (fp32 logits overflow), got {self.repetition_penalty}"),
             (any(not 0 <= t < INT64_END for t in self.logit_bias or ()), "logit_bias keys must be token ids"),
+            (any(abs(b) > MAX_LOGIT_BIAS for b in (self.logit_bias or {}).values()),
+             f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (fp32 logits overflow)"),
             (self.allowed_token_ids is not None and not self.allowed_token_ids, "allowed_token_ids must not be empty"),
             (any(not 0 <= t < INT64_END for t in self.allowed_token_ids or ()), "allowed_token_ids must be token ids"),
         ]
