@@ -397,7 +397,9 @@ def test_offline_llm_keeps_working_after_a_bad_request(tiny_ckpt, llm_shared, ba
 
 @pytest.mark.parametrize("prompt", [{"prompt_token_ids": 5}, {"prompt_token_ids": None}, {"prompt": 5}, 3.5,
                                     {"prompt_token_ids": [1, "2"]}, {}, {"prompt_token_ids": "hi"},
-                                    {"prompt": [1, 2]}])
+                                    {"prompt": [1, 2]},
+                                    # a lone surrogate: the tokenizer's TypeError failed the whole call
+                                    "a\ud800b", {"prompt": "\udfff"}])
 def test_malformed_prompt_fails_alone(llm_shared, prompt):
     outs = llm_shared.generate([prompt, "hi"], GREEDY, use_tqdm=False)
     assert outs[0].error and outs[0].outputs[0].finish_reason == "error"

@@ -244,7 +244,7 @@ def test_bad_words_need_a_tokenizer(tmp_path, llm):
     with pytest.raises(ValueError, match="bad_words need a tokenizer") as e:
         notok.llm_engine.add_request("x", [5, 6], greedy(bad_words=["a"]))
     assert e.value.param == "bad_words"
-    for bad in ([""], "ab", [1]):
+    for bad in ([""], "ab", [1], ["a\ud800"]):     # a lone surrogate: the tokenizer's TypeError
         with pytest.raises(ValueError, match="bad_words") as e:
             llm.llm_engine.add_request("bad", [5, 6], greedy(bad_words=bad))
         assert e.value.param == "bad_words"

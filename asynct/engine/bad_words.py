@@ -6,6 +6,7 @@ token make that last token impossible, and a one-token word is never drawn."""
 import torch
 
 from asynct.attention.base import host_to_device_many
+from asynct.engine.detokenizer import check_unicode
 
 
 def bad_words_token_ids(detokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
@@ -13,6 +14,7 @@ def bad_words_token_ids(detokenizer, words: list[str], vocab_size: int) -> list[
     no token, or a token the model's vocabulary lacks."""
     out = []
     for word in words:
+        check_unicode(word, "bad_words entry")
         plain = detokenizer.encode(word.lstrip(), add_special_tokens=False)
         if not plain:
             raise ValueError(f"bad_words entries must tokenize to at least one token, got {word!r:.40}")

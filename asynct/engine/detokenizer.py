@@ -39,6 +39,7 @@ class Detokenizer:
         written, a rendered chat template."""
         if not text and not add_special_tokens:
             return []
+        check_unicode(text)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)    # "": [BOS], as vLLM
 
     def decode(self, ids, skip_special_tokens=True) -> str:
@@ -95,6 +96,17 @@ class Detokenizer:
                 seq.text, seq.stop_reason = seq.text[:end], stop
                 return True
         return False
+
+
+def check_unicode(text: str, what: str = "the text"):
+    """ValueError where `text` holds a lone surrogate ("\ud800", which Python strings may hold):
+    the Rust tokenizer raised a TypeError about its input types for it, which failed a whole
+    LLM.generate call rather than the one prompt."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} {text!r:.40} is not valid Unicode (a lone surrogate at character {e.start}), "
+                         "so it cannot be tokenised") from None
 
 
 GENERIC_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}   # no model-specific code
