@@ -146,6 +146,20 @@ def test_chat_without_template_or_tokenizer_is_a_clear_error(llm, monkeypatch):
         llm.chat("hi")
 
 
+@pytest.mark.parametrize("messages,words", [
+    (["hi"], "a conversation is a list of messages, got str"),
+    ([MESSAGES, "hi"], "a conversation is a list of messages, got str"),
+    ([*MESSAGES, "hi"], "a message is a dict"), ([{"content": "hi"}], "role is a string, got None"),
+    ([{"role": 5, "content": "hi"}], "role is a string"), ([{"role": "user", "content": 5}], "content is a string"),
+])
+def test_malformed_chat_messages_are_clear_errors(llm, messages, words):
+    """A string where a message goes was an AttributeError ('str' object has no attribute 'get')
+    from the message rendering; the server's 400s for these name the same problems."""
+    with pytest.raises(ValueError, match=words):
+        llm.chat(messages, use_tqdm=False)
+    assert llm.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
+
+
 def test_load_chat_template(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0].content }}")

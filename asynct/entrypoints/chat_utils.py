@@ -33,6 +33,9 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
                          "or use LLM.generate with a prompt")
     if add_generation_prompt and continue_final_message:
         raise ValueError("add_generation_prompt and continue_final_message cannot both be set")
+    bad = next((c for c in conversations if not isinstance(c, (list, tuple))), None)
+    if bad is not None:
+        raise ValueError(f"a conversation is a list of messages, got {type(bad).__name__}")
     return [tokenizer.apply_chat_template([template_message(m) for m in conv], chat_template=template, tokenize=False,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message, tools=tools,
@@ -42,7 +45,20 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
 
 def template_message(message: dict) -> dict:
     """An OpenAI message as vLLM hands it to a chat template; ValueError where it cannot."""
+    _check_message(message)
     return _tool_arguments_as_dicts(_parts_as_text(message))
+
+
+def _check_message(message):
+    """The shape the server's ChatMessage takes, for LLM.chat's messages too: a string in place
+    of a message was an AttributeError ('str' object has no attribute 'get') from deep inside."""
+    if not isinstance(message, dict):
+        raise ValueError(f'a message is a dict {{"role": ..., "content": ...}}, got {type(message).__name__}')
+    if not isinstance(message.get("role"), str):
+        raise ValueError(f"a message's role is a string, got {message.get('role')!r:.40}")
+    if not isinstance(message.get("content"), (str, list, type(None))):
+        raise ValueError(f"a message's content is a string or a list of text parts, got "
+                         f"{type(message['content']).__name__}")
 
 
 def _parts_as_text(message: dict) -> dict:
