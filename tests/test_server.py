@@ -415,11 +415,13 @@ NAMED = [  # (path, body, the field `param` must name): each once answered param
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, "max_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 2048}, "input_tokens"),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    ("/detokenize", {"tokens": [1, 259]}, "tokens"),
+    ("/tokenize", {"messages": []}, "messages"),
 ]
 
 
 @pytest.mark.parametrize("path,body,param", NAMED,
-                         ids=[f"{'chat' if 'chat' in p else 'completions'}-{f}" for p, _, f in NAMED])
+                         ids=[f"{'chat' if 'chat' in p else p.split('/')[-1]}-{f}" for p, _, f in NAMED])
 def test_bad_value_400_names_its_param(url, path, body, param):
     r = post(url, {"model": "tiny", **body}, path)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -97,7 +97,7 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         ctx.need_tokenizer("/detokenize")
         vocab = ctx.engine.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocab})")
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": ctx.tokenizer.decode(body.tokens)}
 
     @app.get("/tokenizer_info")

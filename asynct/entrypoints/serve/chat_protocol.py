@@ -109,7 +109,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)    # as the chat route's
     add_special_tokens: bool | None = None       # unset: as the route that takes them (special_tokens)
 
     @property
