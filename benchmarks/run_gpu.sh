@@ -2,6 +2,7 @@
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
 #   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
+#           mixed-host splitk
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -65,6 +66,10 @@ for s in $stages; do
     persistent) # the batch-1 prototype: every layer's MLP in one persistent CUDA kernel (grid barriers)
              # against the engine's fused Triton pair; a hang (a barrier that never opens) ends at the timeout
              timeout 150 python3 benchmarks/persistent_mlp.py 2>&1 | tee $OUT/persistent.log ;;
+    mixed-host) # a mixed step's host launch: device busy vs idle, synchronising ops, cProfile
+           (cd benchmarks && timeout 120 python3 mixed_host.py --model $M 2>&1 | grep -v "it/s" | tee $OUT/mixed_host.log) ;;
+    splitk) # a lead: 65-1,024-row projections split over K by cuBLAS's batched GEMM
+           timeout 200 python3 benchmarks/splitk_linear.py 2>&1 | tee $OUT/splitk.log | grep "^|" ;;
     fp8) timeout 300 python3 benchmarks/fp8_kv.py $M 2>&1 | grep -v "^{" | tee $OUT/fp8.log ;;
     vllm) timeout 120 python3 benchmarks/vllm_backend_gpu.py 2>&1 | tee $OUT/vllm.log ;;
     parity) timeout 300 python3 benchmarks/bf16_parity.py --seeds 1 2>&1 | tee $OUT/parity.log ;;
