@@ -29,6 +29,7 @@ kernel over the shape's calls. It isolates the attention kernels from the rest o
 import argparse
 import contextlib
 import gc
+import importlib
 import json
 import os
 import sys
@@ -56,6 +57,8 @@ from asynct.config import AsyncTConfig  # noqa: E402
 from asynct.model.checkpoint import dyht_modules, make_checkpoint  # noqa: E402
 from asynct.ops.asynci import asynci_attention  # noqa: E402
 from asynct.ops.cuda_ext import cuda_decode_supported  # noqa: E402
+
+rope = importlib.import_module("asynct.ops.rope")   # the module: asynct.ops.rope is also a function
 from asynct.ops.paged_ref import gather_kv  # noqa: E402
 
 # Model shapes (overrides of the `tiny` preset). "issue13" is the one where Triton lost.
@@ -262,6 +265,7 @@ def smoke_kernels():
     return [(ops, "dyht", ops.dyht_triton), (ops, "dyht_add", ops.dyht_add_triton),
             (ops, "qk_norm_rope", ops.qk_norm_rope_triton), (ops, "reglu", ops.reglu_triton),
             (attention_base, "write_kv_cache", ops.write_kv_cache_triton),
+            (rope, "write_kv_cache", ops.write_kv_cache_triton),    # the q/k kernel's store off CUDA
             (triton_backend, "asynci_prefill", _prefill_triton),
             (triton_backend, "asynci_decode", ops.asynci_decode_triton)]
 
@@ -290,7 +294,7 @@ def variants(attribution, smoke=False):
     # the reference write indexes with a mask (a host sync): no CUDA graphs; and the QKV kernel
     # leaves every step's write to the backend
     out["triton write_kv=ref"] = (eager, [(attention_base, "write_kv_cache", kv_ref),
-                                          (engine_model.Attention, "cache_target", lambda self: {})])
+                                          (engine_model.Attention, "cache_target", lambda self, slot_mapping=None: {})])
     out["triton prefill=torch-like"] = (tri, [(triton_backend, "asynci_prefill", prefill_torchlike)])
     # the stand-ins read lengths on the host: no CUDA graphs for decode swaps
     out["triton decode=torch-like"] = (eager, [(triton_backend, "asynci_decode", decode_torchlike)])

@@ -57,7 +57,7 @@ def no_pdl():
 
 def no_kv_fold():
     """The attention backend stores each step's k/v (a kernel of its own), not the QKV kernel."""
-    return mock.patch.object(engine_model.Attention, "cache_target", lambda self: {})
+    return mock.patch.object(engine_model.Attention, "cache_target", lambda self, slot_mapping=None: {})
 
 
 def no_prefetch():

@@ -223,6 +223,7 @@ def qk_norm_rope_to_cache(q, k, v, positions, q_alpha, q_weight, k_alpha, k_weig
         return qk_norm_rope_to_cache_triton(q, k, v, positions, q_alpha, q_weight, k_alpha, k_weight,
                                             cos_sin_cache, kv_cache, slot_mapping, k_scale, v_scale, out)
     _check_target(k, v, kv_cache, slot_mapping, k_scale, v_scale)
-    qo, ko = qk_norm_rope(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache, (out, None))
+    qo, ko = qk_norm_rope_ref(q, k, positions, q_alpha, q_weight, k_alpha, k_weight, cos_sin_cache)
+    qo = qo if out is None else output_buffer(out, q.shape, q.dtype, q.device, "q out").copy_(qo)
     write_kv_cache(ko, v, kv_cache, slot_mapping, k_scale, v_scale)
     return qo
