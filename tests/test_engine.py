@@ -407,6 +407,27 @@ def test_malformed_prompt_fails_alone(llm_shared, prompt):
     assert_all_blocks_free(llm_shared)
 
 
+@pytest.mark.parametrize("field,value", [("n", 0), ("temperature", float("nan")), ("top_k", -5), ("max_tokens", -1)])
+def test_a_bad_field_set_after_the_params_were_made_fails_alone(llm_shared, field, value):
+    """vLLM's examples set fields of get_default_sampling_params(); such a field went unchecked:
+    n=0 failed the whole call with a KeyError, a NaN temperature drew token 0."""
+    params = llm_shared.get_default_sampling_params()
+    setattr(params, field, value)
+    outs = llm_shared.generate(["hi", "hi"], [GREEDY, params], use_tqdm=False)
+    assert outs[0].error is None and f"{field} must be" in outs[1].error
+    assert_all_blocks_free(llm_shared)
+
+
+def test_a_stop_set_after_the_params_were_made_stops(llm_shared):
+    """stop_list is made from stop when the params are made: a stop set later was ignored."""
+    text = llm_shared.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].text
+    params = llm_shared.get_default_sampling_params()
+    params.temperature, params.max_tokens, params.ignore_eos, params.stop = 0, 8, True, [text[4]]
+    want = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[text[4]])
+    got = [llm_shared.generate("hi", p, use_tqdm=False)[0].outputs[0] for p in (params, want)]
+    assert got[0].text == got[1].text != text and got[0].finish_reason == "stop"
+
+
 @pytest.fixture(scope="module")
 def llm_shared(tiny_ckpt):
     return LLM(tiny_ckpt, **SHARED)

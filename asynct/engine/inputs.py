@@ -62,6 +62,7 @@ def check_bad_words(detokenizer: Detokenizer | None, params: SamplingParams, voc
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int):
     """Raises ValueError naming what is wrong with a tokenized prompt or with sampling values
     that do not fit this model (also run by the server's front end, which holds no engine)."""
+    params.recheck()       # fields set after the params were made
     params.check_model(vocab_size)
     if not ids:
         raise ValueError("the prompt is empty")
