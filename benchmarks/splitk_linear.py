@@ -2,8 +2,9 @@
 GEMM, their fp32 partials added by the elementwise kernel that follows anyway.
 
 At 256 rows a bench-0.6b layer's four cuBLAS GEMMs take 26.8 us against ~6 us of weights and
-~8 us of FLOPs (H200, benchmarks/RESULTS.md, thirtieth session): o_proj and down (1,024 columns)
-give cuBLAS 16 output tiles for 132 SMs. `torch.bmm(x_chunks, W_chunks, out_dtype=fp32)` over
+~8 us of FLOPs (H200, benchmarks/RESULTS.md, thirtieth session); o_proj and down (1,024 columns)
+took about as long at 96 rows as at 512: too few output tiles for 132 SMs, we think (16 at 128 x
+128). `torch.bmm(x_chunks, W_chunks, out_dtype=fp32)` over
 S slices of K multiplies S times the tiles with no custom GEMM and no copy (both operands are
 strided views), and DyHT + residual add sums the S partials before it rounds, so the result
 equals cuBLAS's up to the order of the fp32 adds. This script times, per projection and row
