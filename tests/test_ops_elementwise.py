@@ -114,6 +114,18 @@ def test_reglu(t, i):
     close(reglu(x), reglu_ref(x), 0)
 
 
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """The launch plans' plain-Python helpers (Triton's cost ~2 us a call on the host) answer as
+    Triton's own, 0 and 1 included."""
+    from asynct.ops._triton import cdiv, next_power_of_2, triton
+    if triton is None:
+        pytest.skip("triton is not installed")
+    for n in [*range(0, 70), 127, 128, 129, 1023, 1024, 1025, 151936]:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 132):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
 def test_rope_cache_matches_formula():
     cache = rope_cos_sin_cache(8, 20, 500.0)
     p, i = 13, 3

@@ -8,7 +8,7 @@ and 11.8 us. It lost at 256 rows (62.6 against 55.3), and as an eager op its two
 the host more than torch's one, so only small decode graphs run it (engine/cuda_graph.py)."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, cdiv, pdl_args, tl, triton, wait_for_prior
 
 CHUNK = 4096        # columns a first-stage program reduces, in one load
 MAX_CHUNKS = 64     # partials the second stage loads at once: V <= 262,144
@@ -56,7 +56,7 @@ def _pick_kernel(val_ptr, idx_ptr, out_ptr, C, MAX_C: tl.constexpr, BIG: tl.cons
 
 def argmax_triton(logits, out=None):
     r, v = logits.shape
-    chunks = triton.cdiv(v, CHUNK)
+    chunks = cdiv(v, CHUNK)
     out = torch.empty(r, dtype=torch.int64, device=logits.device) if out is None else out
     if r == 0:
         return out
@@ -75,7 +75,7 @@ def argmax(logits, out=None):
     if out is not None and (out.shape != logits.shape[:1] or out.dtype != torch.int64 or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous int64 ({logits.shape[0]},), got {tuple(out.shape)} {out.dtype}")
     fast = (logits.is_cuda and triton is not None and logits.dim() == 2 and logits.stride(-1) == 1
-            and logits.is_floating_point() and triton.cdiv(logits.shape[1], CHUNK) <= MAX_CHUNKS)
+            and logits.is_floating_point() and cdiv(logits.shape[1], CHUNK) <= MAX_CHUNKS)
     if fast:
         return argmax_triton(logits, out)
     return argmax_ref(logits) if out is None else out.copy_(argmax_ref(logits))

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, next_power_of_2, pdl_args, tl, triton, wait_for_prior
 from asynct.ops.kv_cache import check_kv_scales, is_fp8
 
 
@@ -298,7 +298,7 @@ def sum_all_splits(dst, out, splits, max_splits, query_start_loc):
         raise ValueError(f"{splits} key splits, more than the {max_splits} the sum is compiled for")
     if splits > 1:
         t, h, d = out.shape
-        hp = triton.next_power_of_2(h)
+        hp = next_power_of_2(h)
         # 8 elements a thread, as measured (8 heads of 128, 4 warps), for any row size
         warps = max(1, min(16, hp * d // 256))
         _sum_all_splits_kernel[(t,)](dst, out, query_start_loc, query_start_loc.shape[0] - 1, out.stride(0),

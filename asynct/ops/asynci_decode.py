@@ -15,7 +15,7 @@ The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, s
 in asynci_common.py."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pdl_args, pow2, tl, wait_for_prior
 from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, fold_k_scale, kv_operands, scale_args,
                                       sm_count, split_output, split_range, sum_splits)
 from asynct.ops.kv_cache import check_kv_cache
@@ -129,8 +129,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
 
 def num_splits(batch, num_kv_heads, max_seq_len, sms=132):
     """Enough programs for ~3 waves of the SMs, each split at least a tile long."""
-    want = triton.cdiv(3 * sms, max(1, batch * num_kv_heads))
-    return max(1, min(want, triton.cdiv(max_seq_len, BLOCK_N), 64))
+    want = cdiv(3 * sms, max(1, batch * num_kv_heads))
+    return max(1, min(want, cdiv(max_seq_len, BLOCK_N), 64))
 
 
 def check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order=None):
@@ -166,9 +166,9 @@ def num_prefix_splits(batch, num_kv_heads, group, prefix_len, rows=16, sms=132, 
     13.1/13.4 (8), 16 rows 20.3/14.3/11.2/10.2 (8; benchmarks/RESULTS.md)."""
     if batch * num_kv_heads * splits >= 6 * sms:
         return 1
-    tiles = triton.cdiv(batch * group, rows)
-    want = triton.cdiv(sms, tiles * num_kv_heads)
-    return max(1, min(want, triton.cdiv(max(prefix_len, 1), BLOCK_N), MAX_PREFIX_SPLITS))
+    tiles = cdiv(batch * group, rows)
+    want = cdiv(sms, tiles * num_kv_heads)
+    return max(1, min(want, cdiv(max(prefix_len, 1), BLOCK_N), MAX_PREFIX_SPLITS))
 
 
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
@@ -207,18 +207,18 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     g = hq // hkv
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
-    block_n = max(block_n, triton.next_power_of_2(int(pool_size)))
+    block_n = max(block_n, next_power_of_2(int(pool_size)))
     consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
     kv = kv_operands(kv_cache, fp8)
     k_cache, v_cache, kv_strides, ptx = kv
-    m = max(16, triton.next_power_of_2(g))
+    m = max(16, next_power_of_2(g))
     cascade = prefix_len is not None and not accumulate   # a hint: an accumulating decode reads every key
     s_pre = n_pre = 0
     if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
         s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms, splits)
-        n_pre = triton.cdiv(b * g, m) * s_pre
+        n_pre = cdiv(b * g, m) * s_pre
     pre = split_output(q, s_pre, partials=True)[0] if cascade else None
     # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
     dst, strides = split_output(out, 1 if accumulate else splits, partials=cascade)

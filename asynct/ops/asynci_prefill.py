@@ -15,7 +15,7 @@ ranges add (fp32, summed by asynci_common.sum_all_splits). A split recomputes th
 the P-1 scores left of its first key, as the decode kernel does."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pow2, tl, triton
+from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
 from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, kv_row_offsets, load_kv_rows, load_rows,
                                       scale_args, sm_count, split_output, sum_all_splits)
 # the plan, re-exported where benchmarks and tests have always found it
@@ -197,7 +197,7 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     if q.shape[0] == 0 or b == 0 or max_query_len <= 0:
         return out
     g = hq // hkv
-    g_pad = triton.next_power_of_2(g)
+    g_pad = next_power_of_2(g)
     sms = sm_count(q)
     cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size, wide_fits(q, kv_cache))
     splits = splits or (plan_splits if block_m is None else 1)
@@ -207,9 +207,9 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     if pool_size - 1 > block_n:   # the band products reach back one key tile only
         raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
     dst, strides = split_output(out, splits)
-    q_tiles = triton.cdiv(max_query_len, block_m // g_pad)
+    q_tiles = cdiv(max_query_len, block_m // g_pad)
     group = seqs_per_group(b, q_tiles, max(max_seq_len or 0, max_query_len) * hkv * d * 2 * kv_cache.element_size())
-    grid = (group, hkv * splits, triton.cdiv(b, group) * q_tiles)
+    grid = (group, hkv * splits, cdiv(b, group) * q_tiles)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     sigma = sigma.float().contiguous()
     ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)

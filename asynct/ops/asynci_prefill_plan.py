@@ -4,7 +4,7 @@ the warm-up did not compile."""
 import math
 from collections import namedtuple
 
-from asynct.ops._triton import triton
+from asynct.ops._triton import cdiv, next_power_of_2
 
 PrefillConfig = namedtuple("PrefillConfig", "block_m block_n num_warps num_stages")
 
@@ -44,7 +44,7 @@ def wide_fits(q, kv_cache):
     both (measured only so: an FP8 cache reads its keys otherwise), D <= 128, groups <= 4."""
     group = q.shape[1] // kv_cache.shape[3]
     return (q.shape[2] <= 128 and q.element_size() == kv_cache.element_size() == 2
-            and triton.next_power_of_2(group) <= 4)
+            and next_power_of_2(group) <= 4)
 
 
 def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132, pool_size=1, wide=False):
@@ -54,9 +54,9 @@ def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132
     its tiles give two programs an SM, else with enough key splits that the longest program (all
     keys) takes no longer than the average program's share of an SM, causal triangle and cached
     prefix counted."""
-    cfg, g_pad = key_config(pool_size), triton.next_power_of_2(group)
+    cfg, g_pad = key_config(pool_size), next_power_of_2(group)
     n_keys = max(max_seq_len or 0, max_query_len)
-    programs = lambda c: batch * num_kv_heads * triton.cdiv(max_query_len, _block_m(c.block_m, g_pad) // g_pad)  # noqa: E731
+    programs = lambda c: batch * num_kv_heads * cdiv(max_query_len, _block_m(c.block_m, g_pad) // g_pad)  # noqa: E731
     if wide and n_keys >= WIDE_MIN_KEYS and programs(WIDE_CONFIG) >= 1.5 * sms:
         return WIDE_CONFIG, 1
     if programs(cfg) >= 2 * sms:
@@ -68,7 +68,7 @@ def plan_prefill(batch, max_query_len, max_seq_len, num_kv_heads, group, sms=132
     # the kernel rounds a slice up to whole key tiles, which can leave the last slices empty:
     # count only those that hold keys (1 x 512: 5 slices of 128 keys, the fifth empty, ran
     # 0.95x SDPA flash; 4 ran 1.07x, H200, benchmarks/RESULTS.md)
-    return cfg, triton.cdiv(n_keys, _slice_keys(n_keys, splits, cfg.block_n))
+    return cfg, cdiv(n_keys, _slice_keys(n_keys, splits, cfg.block_n))
 
 
 def seqs_per_group(batch, q_tiles, seq_kv_bytes):
@@ -77,13 +77,13 @@ def seqs_per_group(batch, q_tiles, seq_kv_bytes):
     GROUP_KV_BYTES, one sequence at least, and few enough that the grid's last axis (groups x
     query tiles) stays within CUDA's 65,535."""
     fits = max(1, GROUP_KV_BYTES // max(seq_kv_bytes, 1))
-    group = triton.cdiv(batch, triton.cdiv(batch, fits))
-    return min(batch, max(group, triton.cdiv(batch, max(1, 65535 // q_tiles))))
+    group = cdiv(batch, cdiv(batch, fits))
+    return min(batch, max(group, cdiv(batch, max(1, 65535 // q_tiles))))
 
 
 def _slice_keys(n_keys, splits, block_n):
     """Keys of one split's slice, as _prefill_kernel cuts them (`per`)."""
-    return triton.cdiv(triton.cdiv(n_keys, splits), block_n) * block_n
+    return cdiv(cdiv(n_keys, splits), block_n) * block_n
 
 
 def _block_m(block_m, g_pad):

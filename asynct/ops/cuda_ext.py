@@ -66,8 +66,9 @@ def asynci_decode_cuda(q, kv_cache, block_table, seq_lens, sigma, scale, pool_si
 def pick_decode(q, kv_cache, pool_size=3):
     """The decode kernel for this shape: CUDA where it is supported and was measured faster
     (benchmarks/RESULTS.md, Kernels), else Triton; the reference where neither can run."""
+    from asynct.ops._triton import triton
     dec = importlib.import_module("asynct.ops.asynci_decode")  # the module, not the function
-    if dec.triton is None:
+    if triton is None:
         if cuda_decode_supported(q, kv_cache, pool_size) and load_extension() is not None:
             return asynci_decode_cuda
         warnings.warn("triton is missing: AsyncI decode falls back to the slow reference")

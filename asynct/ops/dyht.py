@@ -4,7 +4,7 @@ The kernels read 3-D strided views ([tokens, heads, head_dim] narrow views of th
 output) directly: a `.contiguous()` copy costs as much as the op itself."""
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, tl, triton
 
 
 def output_buffer(out, shape, dtype, device, name="out"):
@@ -52,7 +52,7 @@ def _as_3d(x):
 
 
 def _blocks(c):
-    block_c = min(triton.next_power_of_2(c), 2048)
+    block_c = min(next_power_of_2(c), 2048)
     return block_c, max(1, 8192 // block_c)
 
 
@@ -79,10 +79,10 @@ def dyht_triton(x, alpha, weight):
     if out.numel() == 0:
         return out
     sa, sw = _param_stride(alpha, c, "alpha"), _param_stride(weight, c, "weight")
-    block_c = min(triton.next_power_of_2(c), 1024)
-    block_h = min(triton.next_power_of_2(h), max(1, 4096 // block_c))
+    block_c = min(next_power_of_2(c), 1024)
+    block_h = min(next_power_of_2(h), max(1, 4096 // block_c))
     block_r = max(1, 8192 // (block_c * block_h))
-    grid = (triton.cdiv(r, block_r), triton.cdiv(h, block_h), triton.cdiv(c, block_c))
+    grid = (cdiv(r, block_r), cdiv(h, block_h), cdiv(c, block_c))
     _dyht_kernel[grid](x3, out, alpha, weight, r, h, c, x3.stride(0), x3.stride(1), sa, sw,
                        BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_C=block_c, num_warps=8)
     return out
@@ -127,7 +127,7 @@ def dyht_add_triton(y, residual, alpha, weight, post_alpha=None, post_weight=Non
     has_post = post_alpha is not None
     pa, pw = (post_alpha, post_weight) if has_post else (alpha, weight)
     block_c, block_r = _blocks(c)
-    grid = (triton.cdiv(t, block_r), triton.cdiv(c, block_c))
+    grid = (cdiv(t, block_r), cdiv(c, block_c))
     _dyht_add_kernel[grid](
         y, residual if residual is not None else y, hidden, normed, alpha, weight, pa, pw, t, c,
         _param_stride(alpha, c, "alpha"), _param_stride(weight, c, "weight"),

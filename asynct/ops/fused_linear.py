@@ -12,7 +12,7 @@ CUDA, torch references elsewhere): the test reference, and the path of CPUs and 
 import torch
 import torch.nn.functional as F
 
-from asynct.ops._triton import pdl_args, triton
+from asynct.ops._triton import cdiv, next_power_of_2, pdl_args, triton
 from asynct.ops.asynci_common import scale_args, sm_count
 from asynct.ops.dyht import _param_stride, dyht_add, output_buffer
 from asynct.ops.fused_linear_checks import (SMALL_M, cache_problem, check, head_dim_problem,  # noqa: F401
@@ -112,7 +112,7 @@ def _tiles(x, k, tiles):
     block_m = row_tile(x.shape[0])
     wide = tiles < sms and k >= 1024 and x.element_size() <= 2 and block_m == 16  # 3 x 32 KiB of shared memory
     block_k = 512 if wide else 256
-    block_k = max(16, min(block_k, triton.next_power_of_2(k)))
+    block_k = max(16, min(block_k, next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pdl = pdl_args(x)
     # only where every program starts in the first wave: QKV and o_proj 1.03-1.16x faster ops at
@@ -141,11 +141,11 @@ def _plan(x, k, op):
     if m > min(len(warps), GEMV_MAX_ROWS) or (m > 2 and k > GEMV_WIDE_ROWS_MAX_K):
         return TILE_N, None
     rows = rows[m - 1]
-    whole = triton.next_power_of_2(k)
+    whole = next_power_of_2(k)
     # the kernel loads before its wait whenever one tile holds K: past the budget, two at least
     block_k = whole if rows * whole <= GEMV_EARLY_ELEMENTS else min(block_k, whole // 2)
     cap = {"maxnreg": caps[0][m - 1]} if caps and caps[0][m - 1] and block_k == k <= 1024 else {}
-    return rows, dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+    return rows, dict(BLOCK_M=next_power_of_2(m), BLOCK_K=block_k, EVEN_K=k % block_k == 0,
                       PRECISION="ieee", num_warps=warps[m - 1], num_stages=1, LINES=0, GEMV=True, **cap,
                       **pdl_args(x))
 
@@ -200,7 +200,7 @@ def linear_reglu_triton(x, weight):
     out = torch.empty(t, i, dtype=x.dtype, device=x.device)
     rows, plan = _plan(x, k, "reglu")
     hb = _half(rows, plan)
-    tiles = triton.cdiv(i, hb)
+    tiles = cdiv(i, hb)
     gate_up_reglu_kernel[(tiles,)](x, x.stride(0), weight, out, t, k, i, HB=hb, **(plan or _tiles(x, k, tiles)))
     return out
 
@@ -217,7 +217,7 @@ def linear_dyht_add_triton(x, weight, residual, alpha, dyht_weight, post_alpha=N
     strides = [_param_stride(p, n, s) for p, s in ((alpha, "alpha"), (dyht_weight, "weight"),
                                                     (pa, "post_alpha"), (pw, "post_weight"))]
     rows, plan = _plan(x, k, "dyht_add")
-    tiles = triton.cdiv(n, rows)
+    tiles = cdiv(n, rows)
     linear_dyht_add_kernel[(tiles,)](
         x, x.stride(0), weight, residual, hidden, normed, alpha, dyht_weight, pa, pw, t, k, n,
         *strides, HAS_POST=has_post, BLOCK_N=rows, **(plan or _tiles(x, k, tiles)))

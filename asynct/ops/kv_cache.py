@@ -8,7 +8,7 @@ An FP8 (e4m3) cache stores x / scale with static per-(KV head, channel) scales [
 of becoming NaN, and readers multiply the scale back in registers."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pdl_args, pow2, tl, triton, wait_for_prior
+from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pdl_args, pow2, tl, triton, wait_for_prior
 
 
 def check_kv_cache(kv_cache):
@@ -104,11 +104,11 @@ def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=No
         raise ValueError(f"head_dim must be a power of two, got {d}")
     if t == 0:
         return
-    h_pad = triton.next_power_of_2(h)
+    h_pad = next_power_of_2(h)
     block_t = max(1, 4096 // (h_pad * d))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     fp8 = is_fp8(kv_cache.dtype)
-    _write_kv_kernel[(triton.cdiv(t, block_t),)](
+    _write_kv_kernel[(cdiv(t, block_t),)](
         k, v, k_cache, v_cache, slot_mapping, *((k_scale, v_scale) if fp8 else (slot_mapping,) * 2), t,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], h, D=d,
         BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t, FP8=fp8, num_warps=4, **pdl_args(k))

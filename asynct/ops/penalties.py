@@ -12,7 +12,7 @@ once. Every row takes all three penalties: 1, 0, 0 leave a logit's bits as they 
 x * 1, x - 0 * count), so no penalty needs a variant of its own to compile."""
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, cdiv, tl, triton
 
 BLOCK = 2048
 
@@ -57,7 +57,7 @@ def apply_penalties_triton(logits, counts, rows, in_prompt, pending, sampled, re
         # one compiled variant: without marks (or samples) the masked-off loads point elsewhere
         prompt = counts.view(torch.uint8) if in_prompt is None else in_prompt.view(torch.uint8)
         # unfused products and differences, as torch's ops round them (no FMA)
-        _penalties_kernel[(r, triton.cdiv(v, BLOCK))](logits, counts, rows, prompt, int(in_prompt is not None),
+        _penalties_kernel[(r, cdiv(v, BLOCK))](logits, counts, rows, prompt, int(in_prompt is not None),
                                                      pending, pending if sampled is None else sampled,
                                                      int(sampled is not None), rep, freq, pres, v, BLOCK=BLOCK,
                                                      num_warps=4, enable_fp_fusion=False)

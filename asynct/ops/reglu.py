@@ -1,7 +1,7 @@
 """ReGLU: `relu(gate) * up` over the fused gate_up projection, one pass."""
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, tl, triton
 
 
 def reglu_ref(gate_up):
@@ -29,9 +29,9 @@ def reglu_triton(gate_up):
     out = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
     if out.numel() == 0:
         return out
-    block_c = min(triton.next_power_of_2(i), 1024)
+    block_c = min(next_power_of_2(i), 1024)
     block_r = max(1, 4096 // block_c)
-    grid = (triton.cdiv(t, block_r), triton.cdiv(i, block_c))
+    grid = (cdiv(t, block_r), cdiv(i, block_c))
     _reglu_kernel[grid](gate_up, out, t, i, gate_up.stride(0), BLOCK_R=block_r, BLOCK_C=block_c,
                         num_warps=8)
     return out

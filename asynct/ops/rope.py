@@ -6,7 +6,7 @@ cache, it stores k and v there itself (`qk_norm_rope_to_cache`): past the fused 
 (decode graphs of 65+ sequences, prefill pieces) the KV write is then no kernel of its own."""
 import torch
 
-from asynct.ops._triton import jit as _jit, pow2, tl, triton
+from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
 from asynct.ops.dyht import output_buffer
 from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8, store_cache_rows, write_kv_cache
 
@@ -142,13 +142,13 @@ def _launch(q, k, positions, cos_sin_cache, params, has_norm, pairs=2, out=(None
     qa, qw, ka, kw = [p.float().contiguous() for p in params]
     strides = [_pstride(p, d, n) for p, n in zip((qa, qw, ka, kw), ("q_alpha", "q_weight",
                                                                      "k_alpha", "k_weight"))]
-    hq_pad = triton.next_power_of_2(hq)
+    hq_pad = next_power_of_2(hq)
     block_t = max(1, 4096 // (hq_pad * d // 2))
     cache, v, bs, fp8 = _cache_args(target, q, positions)
-    _qk_rope_kernel[(triton.cdiv(t, block_t), pairs + bool(target))](
+    _qk_rope_kernel[(cdiv(t, block_t), pairs + bool(target))](
         q, qo, k, k if ko is None else ko, v, positions, cos_sin_cache.contiguous(), t, q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), qa, qw, ka, kw, *strides, hq, k.shape[1], *cache,
-        HALF=d // 2, HQ_PAD=hq_pad, HK_PAD=triton.next_power_of_2(k.shape[1]), BLOCK_T=block_t,
+        HALF=d // 2, HQ_PAD=hq_pad, HK_PAD=next_power_of_2(k.shape[1]), BLOCK_T=block_t,
         HAS_NORM=has_norm, TO_CACHE=bool(target), BS=bs, FP8=fp8, num_warps=4)
     return qo, ko
 
