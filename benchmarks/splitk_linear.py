@@ -102,6 +102,11 @@ def main():
     ap.add_argument("--splits", default="2,3,4,6,8")
     a = ap.parse_args()
     splits = [int(s) for s in a.splits.split(",")]
+    probe = torch.zeros(1, 16, 16, dtype=BF, device="cuda")
+    try:
+        torch.bmm(probe, probe, out_dtype=torch.float32)
+    except (TypeError, RuntimeError) as e:
+        sys.exit(f"this torch's bmm takes no out_dtype ({e}): split-K needs fp32 partials")
     table = []
     for name, n, k, consumer in PROJECTIONS:
         for m in (int(r) for r in a.rows.split(",")):
