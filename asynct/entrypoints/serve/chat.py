@@ -7,11 +7,10 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.chat_protocol import ChatCompletionRequest, ChatTemplateFields
-from asynct.entrypoints.serve.responses import (SSE_DONE, EventStream, TextStream, collect, finite,
-                                                prompt_logprobs_json, request_id, sse, usage)
-from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
+from asynct.entrypoints.serve.responses import (ChunkFrame, EventStream, TextStream, collect, encode, encode_str,
+                                                event_stream, finite, prompt_logprobs_json, request_id, usage)
+from asynct.entrypoints.serve.serving import ApiError, ServingContext
 
 
 def render_chat(ctx: ServingContext, body: ChatTemplateFields, add_special_tokens: bool) -> list[int]:
@@ -79,6 +78,7 @@ class Chat:
         self.num_prompt_tokens = num_prompt_tokens
         self.echo = body.echoed()
         self.created = int(time.time())
+        self.frame = ChunkFrame(self._head("chat.completion.chunk", []))
 
     def _head(self, obj: str, choices) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.model_name,
@@ -100,29 +100,26 @@ class Chat:
         k = self.body.top_logprobs or 0
         return {"content": [chat_token(c.token_ids[i], c.logprobs[i], k) for i in range(start, end)]}
 
-    async def stream(self, handle):
+    def stream(self, handle):
         streams, generated = {}, {}
-        try:
-            async for latest in handle.updates():
-                for c in latest[0].outputs:
-                    chunk = self._chunk(c, streams, generated)
-                    if chunk:
-                        yield chunk
-            if self.body.include_usage:
-                yield sse({**self._head("chat.completion.chunk", []),
-                           "usage": usage(self.num_prompt_tokens, sum(generated.values()))})
-        except EngineError as e:
-            yield sse(error_body(e.status, str(e)))
-        yield SSE_DONE
+
+        def events(latest) -> str:
+            return "".join(chunk for c in latest[0].outputs if (chunk := self._chunk(c, streams, generated)))
+
+        def closing() -> str:
+            if not self.body.include_usage:
+                return ""
+            return self.frame.sse("", usage(self.num_prompt_tokens, sum(generated.values())))
+        return event_stream(handle, events, closing)
 
     def _chunk(self, c, streams, generated) -> str | None:
         if c.index not in streams:     # OpenAI opens every choice with the role alone
             streams[c.index] = TextStream(self.params)
             first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
-            head = self._sse_chunk(first, generated)
+            head = self._sse_chunk(encode(first), c.index, generated)
             if self.echo:
-                head += self._sse_chunk({**first, "delta": {"content": self.echo}}, generated)
+                head += self._sse_chunk(encode({**first, "delta": {"content": self.echo}}), c.index, generated)
         else:
             head = ""
         d = streams[c.index].delta(c)
@@ -130,17 +127,26 @@ class Chat:
             return head or None
         text, start, end = d
         generated[c.index] = end
+        if not self.body.logprobs:     # nearly every chunk
+            return head + self._sse_chunk(self._plain_choice(c, text), c.index, generated)
         choice = {"index": c.index, "delta": {"content": text} if text or not c.finished else {},
                   "logprobs": self._logprobs(c, start, end), "finish_reason": c.finish_reason}
         if c.finished:
             choice["stop_reason"] = c.stop_reason
-        return head + self._sse_chunk(choice, generated)
+        return head + self._sse_chunk(encode(choice), c.index, generated)
 
-    def _sse_chunk(self, choice, generated) -> str:
-        chunk = self._head("chat.completion.chunk", [choice])
-        if self.body.continuous_usage:     # as vLLM's: the prompt's tokens and this choice's so far
-            chunk["usage"] = usage(self.num_prompt_tokens, generated.get(choice["index"], 0))
-        return sse(chunk)
+    def _plain_choice(self, c, text) -> str:
+        """The JSON of _chunk's choice where it has no logprobs, written from a template: the
+        same text as encoding the dict, in a tenth of the time."""
+        delta = f'{{"content": {encode_str(text)}}}' if text or not c.finished else "{}"
+        stop = f', "stop_reason": {encode(c.stop_reason)}' if c.finished else ""
+        return (f'{{"index": {c.index}, "delta": {delta}, "logprobs": null, '
+                f'"finish_reason": {encode(c.finish_reason) if c.finished else "null"}{stop}}}')
+
+    def _sse_chunk(self, choice: str, index: int, generated) -> str:
+        # as vLLM's continuous usage: the prompt's tokens and this choice's so far
+        use = usage(self.num_prompt_tokens, generated.get(index, 0)) if self.body.continuous_usage else None
+        return self.frame.sse(choice, use)
 
 
 def chat_token(tid, entry, k) -> dict:

@@ -6,11 +6,11 @@ import time
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from asynct.entrypoints.serve.async_engine import EngineError
 from asynct.entrypoints.serve.protocol import CompletionRequest
-from asynct.entrypoints.serve.responses import (SSE_DONE, EventStream, TextStream, collect, finite,
-                                                prompt_logprobs_json, request_id, sse, top_k, usage)
-from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
+from asynct.entrypoints.serve.responses import (ChunkFrame, EventStream, TextStream, collect, encode, encode_ints,
+                                                encode_str, event_stream, finite, prompt_logprobs_json, request_id,
+                                                top_k, usage)
+from asynct.entrypoints.serve.serving import ApiError, ServingContext
 
 
 async def create_completion(body: CompletionRequest, request: Request, ctx: ServingContext):
@@ -41,6 +41,7 @@ class Completion:
         self.drop_generated = body.echo and body.max_tokens == 0
         self.created = int(time.time())
         self.next_offsets = {}     # a streamed choice's text_offset for its next token
+        self.frame = ChunkFrame(self._head([]))
 
     def _head(self, choices) -> dict:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -87,20 +88,18 @@ class Completion:
         k = self.body.logprobs
         return [first] + [token_row(t, top_k(e, k)) for t, e in zip(ids[1:], plp[1:])]
 
-    async def stream(self, handle):
+    def stream(self, handle):
         streams, generated = {}, {}
-        try:
-            async for latest in handle.updates():
-                for i, out in sorted(latest.items()):
-                    for c in out.outputs:
-                        chunk = self._chunk(i, out, c, streams, generated)
-                        if chunk:
-                            yield chunk
-            if self.body.include_usage:
-                yield sse({**self._head([]), "usage": usage(sum(map(len, self.ids)), sum(generated.values()))})
-        except EngineError as e:
-            yield sse(error_body(e.status, str(e)))
-        yield SSE_DONE
+
+        def events(latest) -> str:
+            return "".join(chunk for i, out in sorted(latest.items()) for c in out.outputs
+                           if (chunk := self._chunk(i, out, c, streams, generated)))
+
+        def closing() -> str:
+            if not self.body.include_usage:
+                return ""
+            return self.frame.sse("", usage(sum(map(len, self.ids)), sum(generated.values())))
+        return event_stream(handle, events, closing)
 
     def _chunk(self, i, out, c, streams, generated) -> str | None:
         if not c.token_ids and not c.finished:
@@ -113,7 +112,11 @@ class Completion:
             return None
         text, start, end = ("", 0, 0) if self.drop_generated else d
         generated[key] = end
+        # as vLLM's continuous usage: this choice's prompt and its tokens so far
+        use = usage(len(self.ids[i]), end) if self.body.continuous_usage else None
         plp = (out.prompt_logprobs or [None]) if self.body.echo and first else None
+        if plp is None and self.body.logprobs is None:      # nearly every chunk
+            return self.frame.sse(self._plain_choice(i, c, text, start, end), use)
         choice = self._choice(i, c, text, start, end, plp, self.next_offsets.get(key))
         lp = choice["logprobs"]
         if lp and lp["tokens"]:
@@ -121,10 +124,15 @@ class Completion:
         choice["finish_reason"] = c.finish_reason
         if c.finished:
             choice["stop_reason"] = c.stop_reason
-        chunk = self._head([choice])
-        if self.body.continuous_usage:     # as vLLM's: this choice's prompt and its tokens so far
-            chunk["usage"] = usage(len(self.ids[i]), generated[key])
-        return sse(chunk)
+        return self.frame.sse(encode(choice), use)
+
+    def _plain_choice(self, i, c, text, start, end) -> str:
+        """The JSON of _chunk's choice where it has no logprobs and no echoed prompt, written
+        from a template: the same text as encoding the dict, in a tenth of the time."""
+        ids = f', "token_ids": {encode_ints(c.token_ids[start:end])}' if self.body.return_token_ids else ""
+        stop = f', "stop_reason": {encode(c.stop_reason)}' if c.finished else ""
+        return (f'{{"index": {i * self.body.n + c.index}, "text": {encode_str(text)}, "logprobs": null, '
+                f'"finish_reason": {encode(c.finish_reason) if c.finished else "null"}{ids}{stop}}}')
 
 
 def token_row(tid, entry):

@@ -9,7 +9,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError, RequestHandle
-from asynct.entrypoints.serve.serving import ApiError
+from asynct.entrypoints.serve.serving import ApiError, error_body
 
 
 def request_id(prefix: str) -> str:
@@ -82,11 +82,56 @@ def prompt_logprobs_json(plp, k: int) -> list | None:
             for e in plp]
 
 
+# json.dumps(obj, ensure_ascii=False) builds an encoder a call; this one, built once, writes the
+# same text. encode_str is what it writes a str as.
+encode = json.JSONEncoder(ensure_ascii=False).encode
+encode_str = json.encoder.encode_basestring
+
+
 def sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {encode(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def encode_ints(ids) -> str:
+    """A list of token ids as JSON writes it."""
+    return f"[{', '.join(map(str, ids))}]"
+
+
+class ChunkFrame:
+    """A stream's chunks share their id, object, created and model: that part is encoded once.
+    `sse(choices)` is what sse() gives for the chunk `head` with those choices (JSON text) and,
+    where given, its usage, byte for byte: a streamed token costs no whole-chunk encoding."""
+
+    def __init__(self, head: dict):
+        text = encode(head)
+        assert text.endswith('"choices": []}'), "choices must be head's last key, empty"
+        self.prefix = "data: " + text[:-2]
+
+    def sse(self, choices: str, usage: dict | None = None) -> str:
+        if usage is None:
+            return f"{self.prefix}{choices}]}}\n\n"
+        return f'{self.prefix}{choices}], "usage": {encode(usage)}}}\n\n'
+
+
+async def event_stream(handle: RequestHandle, events, closing):
+    """A streamed request's SSE text, one piece (one write) per update: `events(latest)` is an
+    update's events, every choice's at once; `closing()` the events after the last update (usage).
+    The last update's events go out with the closing ones and [DONE], in one write."""
+    tail = ""
+    try:
+        async for latest in handle.updates():
+            text = events(latest)
+            if not handle.pending:         # that was the last
+                tail = text
+            elif text:
+                yield text
+        tail += closing()
+    except EngineError as e:
+        tail += sse(error_body(e.status, str(e)))
+    yield tail + SSE_DONE
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
