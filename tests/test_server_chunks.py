@@ -45,8 +45,8 @@ def run_stream(stream_fn, updates) -> list[str]:
     async def feed(handle):
         for update in updates:      # the next once the stream has taken this one
             for idx, out in update.items():
-                handle.queue.put_nowait((idx, out))
-            while not handle.queue.empty():
+                handle.put(idx, out)
+            while handle.ready:
                 await asyncio.sleep(0)
 
     async def go():

@@ -34,27 +34,40 @@ class QueueFull(Exception):
 
 
 class RequestHandle:
-    """One HTTP request's engine requests (one per prompt), read through a shared queue."""
+    """One HTTP request's engine requests (one per prompt): the loop `put`s their outputs as they
+    come, `updates` reads them."""
 
     def __init__(self, engine: "AsyncEngine", rids: list[str]):
         self.engine, self.rids = engine, rids
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ready: dict = {}          # prompt index -> its newest output (or EngineError) not yet read
+        self.waiter: asyncio.Future | None = None
+        self.observe = None            # called with each (prompt index, output) put (metrics.LatencyStats)
         self.pending = set(range(len(rids)))
         self.failed = False
 
+    def put(self, idx: int, out):
+        """Outputs are cumulative: a newer one replaces one not yet read (a slow client's pile up
+        into one). No asyncio.Queue: its items, futures and task counts cost every token."""
+        if self.observe is not None:
+            self.observe(idx, out)
+        self.ready[idx] = out
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
     async def updates(self):
-        """Yields {prompt index: latest RequestOutput}. Outputs are cumulative, so several that
-        queued up while the client was slow collapse into the newest one."""
+        """Yields {prompt index: latest RequestOutput}: whatever came since the last."""
         while self.pending:
-            items = [await self.queue.get()]
-            while not self.queue.empty():
-                items.append(self.queue.get_nowait())
-            latest = {}
-            for idx, out in items:
+            if not self.ready:
+                self.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self.waiter
+                finally:
+                    self.waiter = None
+            latest, self.ready = self.ready, {}
+            for idx, out in latest.items():
                 if isinstance(out, EngineError):
                     self.failed = True
                     raise out
-                latest[idx] = out
                 if out.finished:
                     self.pending.discard(idx)
             yield latest
@@ -224,13 +237,13 @@ class AsyncEngine:
             apply_delta(out, delta)
             if out.finished:
                 self._unroute(out.request_id)
-            handle.queue.put_nowait((idx, out))
+            handle.put(idx, out)
 
     def _fail(self, rids: list[str], message: str, status: int):
         for rid in rids:
             route = self._unroute(rid)
             if route is not None:
-                route[0].queue.put_nowait((route[1], EngineError(message, status)))
+                route[0].put(route[1], EngineError(message, status))
 
     def _core_died(self, k: int, code):
         """Fails the requests of the engine that died; the others keep serving."""

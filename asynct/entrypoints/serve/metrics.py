@@ -88,34 +88,34 @@ class LatencyStats:
         return [self.ttft, self.itl, self.e2e]
 
     def track(self, handle, stream: bool):
-        """Observes the outputs put in a just-submitted RequestHandle's queue (nothing can be in it
-        yet: outputs are put on the event loop, which runs this call)."""
-        handle.queue = TimedQueue(self, time.monotonic(), stream)
+        """Observes the outputs put in a just-submitted RequestHandle (none can have come yet:
+        outputs are put on the event loop, which runs this call)."""
+        handle.observe = RequestTimes(self, time.monotonic(), stream).observe
 
 
-class TimedQueue(asyncio.Queue):
+class RequestTimes:
+    """One request's arrival and, per choice, when its last tokens came and how many it had."""
+
     def __init__(self, stats: LatencyStats, arrival: float, stream: bool):
-        super().__init__()
         self.stats, self.arrival, self.stream = stats, arrival, stream
         self.last: dict[tuple, tuple[float, int]] = {}     # (prompt, sample) -> (time, tokens)
 
-    def put_nowait(self, item):
-        idx, out = item
-        if hasattr(out, "outputs"):                    # not an EngineError
-            now, s = time.monotonic(), self.stats
-            for c in out.outputs:
-                n = len(c.token_ids)
-                t, seen = self.last.get((idx, c.index), (self.arrival, 0))
-                if n <= seen or not (self.stream or n == 1):
-                    continue
-                if seen == 0:
-                    s.ttft.observe(now - self.arrival)
-                else:
-                    s.itl.observe((now - t) / (n - seen), n - seen)
-                self.last[(idx, c.index)] = (now, n)
-            if out.finished:
-                s.e2e.observe(now - self.arrival)
-        super().put_nowait(item)
+    def observe(self, idx, out):
+        if not hasattr(out, "outputs"):                    # an EngineError
+            return
+        now, s = time.monotonic(), self.stats
+        for c in out.outputs:
+            n = len(c.token_ids)
+            t, seen = self.last.get((idx, c.index), (self.arrival, 0))
+            if n <= seen or not (self.stream or n == 1):
+                continue
+            if seen == 0:
+                s.ttft.observe(now - self.arrival)
+            else:
+                s.itl.observe((now - t) / (n - seen), n - seen)
+            self.last[(idx, c.index)] = (now, n)
+        if out.finished:
+            s.e2e.observe(now - self.arrival)
 
 
 def summary_line(model_name: str, model_dir: str, s: dict, seconds: float) -> str:
