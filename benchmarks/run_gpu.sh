@@ -15,6 +15,11 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # (3.12) and carried (the run's `carry: [".whl"]`; without it the server's tests stop at import):
 #   .venv/bin/pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     -d .whl $(.venv/bin/pip freeze | grep -i -E "^(fastapi|starlette|uvicorn|pydantic|pydantic.core|openai|jiter|annotated.types|typing.inspection|distro|sniffio|opentelemetry.api|h11|anyio|httpx|httpcore|importlib.metadata|zipp)==")
+# and lm-eval's (the eval stages), the same way, with these names: lm.eval|datasets|dill|evaluate|
+# more.itertools|pytablewriter|dataproperty|mbstrdecoder|pathvalidate|tabledata|tcolorpy|typepy|
+# chardet|multiprocess|nltk; three have no wheel and are built here, pure Python:
+#   .venv/bin/pip wheel --no-deps -w .whl $(.venv/bin/pip freeze | grep -i -E "^(sqlitedict|word2number|rouge.score)==")
+# (19 MB in all; the device image has the rest of their dependencies)
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
