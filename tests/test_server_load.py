@@ -12,6 +12,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from asynct import LLM, SamplingParams
 from asynct.engine.llm_engine import LLMEngine
@@ -82,7 +83,7 @@ def test_load_with_disconnects(server, tiny_ckpt):
     rng = random.Random(0)
     alphabet = "abcdefghijklmnopqrstuvwxyz ,.ABCDEFGHIJ0123456789é€"
     prompts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(3, 80))) for _ in range(NUM_PROMPTS)]
-    llm = LLM(tiny_ckpt)
+    llm = LLM(tiny_ckpt, num_kv_blocks=400)
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].text for p in prompts]
     leaving = set(rng.sample(range(NUM_REQUESTS), NUM_REQUESTS // 5))
@@ -121,8 +122,9 @@ def test_non_streaming_disconnect_aborts(server):
     """A client that times out on a plain (non-streaming) request also frees its request."""
     before = metrics(server)
     body = {"model": "tiny", "prompt": "wait for me", "max_tokens": 1800, "temperature": 0, "ignore_eos": True}
+    # an H200 makes the 1,800 tokens in ~0.4 s: the client leaves well before that there
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server + "/v1/completions", json=body, timeout=0.5)
+        httpx.post(server + "/v1/completions", json=body, timeout=0.05 if torch.cuda.is_available() else 0.5)
     after = wait_idle(server, timeout=3.0)
     assert after["kv_blocks_free"] == after["kv_blocks_total"] and after["num_requests_in_flight"] == 0
     assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
@@ -132,7 +134,7 @@ def test_non_streaming_disconnect_aborts(server):
 def asgi(tiny_ckpt):
     """The app driven over ASGI in this thread, so that a test plays a client that leaves at an
     exact point of the response: (app, the loop it runs on)."""
-    app = make_app(tiny_ckpt, served_model_name="tiny", log_stats_interval=None)
+    app = make_app(tiny_ckpt, served_model_name="tiny", log_stats_interval=None, num_kv_blocks=400)
     loop, life = asyncio.new_event_loop(), app.router.lifespan_context(app)
     loop.run_until_complete(life.__aenter__())
     yield app, loop
@@ -159,7 +161,7 @@ def test_a_dropped_app_frees_its_engine(asgi, tiny_ckpt):
     import weakref
     from asynct.engine import startup_heap
     live = len(startup_heap.owners())
-    app = make_app(tiny_ckpt, served_model_name="tiny")
+    app = make_app(tiny_ckpt, served_model_name="tiny", num_kv_blocks=400)
     with ServerThread(app) as url:
         body = {"model": "tiny", "prompt": "bye", "max_tokens": 2}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
@@ -244,7 +246,7 @@ def test_client_that_leaves_aborts_its_request(asgi, path, n, how, stream, messa
 
 def test_queue_limit_429(tiny_ckpt):
     """One sequence at a time and one queued: a third request gets 429; below the limit all finish."""
-    app = make_app(tiny_ckpt, served_model_name="tiny", max_num_seqs=1, max_queued_requests=1)
+    app = make_app(tiny_ckpt, served_model_name="tiny", max_num_seqs=1, max_queued_requests=1, num_kv_blocks=400)
     body = {"model": "tiny", "prompt": "hold the line", "temperature": 0, "max_tokens": 4}
 
     async def until(client, url, key, value):
@@ -287,7 +289,7 @@ def test_cli_serves_a_checkpoint_without_tokenizer(tmp_path):
         r = httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
-        ref = LLM(ckpt).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+        ref = LLM(ckpt, num_kv_blocks=400).generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
         assert choice["token_ids"] == ref.outputs[0].token_ids
         for path, bad in (("/v1/completions", {"model": "m", "prompt": "text"}),
                           ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})):
@@ -312,7 +314,7 @@ class FlakyEngine(LLMEngine):
 def test_engine_failure_fails_requests_not_the_server(tiny_ckpt):
     """A step that raises (a bug, not bad input) answers the requests it held with a 500 and
     frees their blocks; the next request is served."""
-    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=FlakyEngine)
+    app = make_app(tiny_ckpt, served_model_name="tiny", make_engine=FlakyEngine, num_kv_blocks=400)
     body = {"model": "tiny", "prompt": "boom", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
     with ServerThread(app) as url:
         r = httpx.post(url + "/v1/completions", json=body, timeout=30)
@@ -326,7 +328,7 @@ def test_engine_failure_fails_requests_not_the_server(tiny_ckpt):
 def test_engine_process_death_is_reported(tiny_ckpt):
     """The engine process killed under a running stream: the stream ends with an error event, and
     the server stays up answering /health and new requests with 503 and the reason."""
-    app = make_app(tiny_ckpt, served_model_name="tiny")
+    app = make_app(tiny_ckpt, served_model_name="tiny", num_kv_blocks=400)
     body = {"model": "tiny", "prompt": "doomed", "max_tokens": 1800, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with ServerThread(app) as url:
@@ -354,7 +356,7 @@ def shut_down_under_a_stream(ckpt, max_tokens, signal_engine=False):
     """Streams `max_tokens` from a SlowEngine, then shuts the server down as its SIGTERM does
     (and, with signal_engine, SIGTERMs the engine process first, as a process group's signal
     does); returns the stream's remaining lines, the seconds they took and the app."""
-    app = make_app(ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None)
+    app = make_app(ckpt, served_model_name="tiny", make_engine=SlowEngine, log_stats_interval=None, num_kv_blocks=400)
     body = {"model": "tiny", "prompt": "long", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     server = ServerThread(app)
     with server as url:
