@@ -17,7 +17,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 #     -d .whl $(.venv/bin/pip freeze | grep -i -E "^(fastapi|starlette|uvicorn|pydantic|pydantic.core|openai|jiter|annotated.types|typing.inspection|distro|sniffio|opentelemetry.api|h11|anyio|httpx|httpcore|importlib.metadata|zipp)==")
 # and lm-eval's (the eval stages), the same way, with these names: lm.eval|datasets|dill|evaluate|
 # more.itertools|pytablewriter|dataproperty|mbstrdecoder|pathvalidate|tabledata|tcolorpy|typepy|
-# chardet|multiprocess|nltk; three have no wheel and are built here, pure Python:
+# chardet|multiprocess|nltk|pytz; three have no wheel and are built here, pure Python:
 #   .venv/bin/pip wheel --no-deps -w .whl $(.venv/bin/pip freeze | grep -i -E "^(sqlitedict|word2number|rouge.score)==")
 # (19 MB in all; the device image has the rest of their dependencies)
 if [ -d .whl ]; then
