@@ -256,13 +256,13 @@ def linear_qk_norm_rope(x, weight, positions, num_heads, num_kv_heads, q_alpha, 
     args = (x, weight, positions, num_heads, num_kv_heads, q_alpha, q_weight, k_alpha, k_weight,
             cos_sin_cache)
     d = cos_sin_cache.shape[-1]
-    target = () if kv_cache is None or cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d) else \
-        (kv_cache, slot_mapping, k_scale, v_scale)
+    fits = kv_cache is not None and cache_problem(kv_cache, slot_mapping, x, num_kv_heads, d) is None
+    target = (kv_cache, slot_mapping, k_scale, v_scale) if fits else (None,) * 4
     if not (_fast(x, weight) and head_dim_problem(d, 2 * HALF_TILE) is None):
         if attn_sums is not None:
             attn_sums.zero_()
-        return linear_qk_norm_rope_unfused(*args, *(target or (None,) * 4), out=out)
-    return linear_qk_norm_rope_triton(*args, *(target or (None,) * 4), attn_sums=attn_sums, out=out)
+        return linear_qk_norm_rope_unfused(*args, *target, out=out)
+    return linear_qk_norm_rope_triton(*args, *target, attn_sums=attn_sums, out=out)
 
 
 def linear_reglu(x, weight):

@@ -46,7 +46,7 @@ def dequantize(x, scale, dtype):
     return x if scale is None else (x.float() * scale).to(dtype)
 
 
-def _check(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
+def check_kv_write(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     check_kv_cache(kv_cache)
     check_kv_scales(kv_cache, k_scale, v_scale)
     want = (k.shape[0],) + tuple(kv_cache.shape[3:])
@@ -59,7 +59,7 @@ def _check(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
 
 
 def write_kv_cache_ref(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
-    _check(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    check_kv_write(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     keep = slot_mapping >= 0  # negative slots are CUDA-graph padding
     slots = slot_mapping[keep]
     blk, off = slots // kv_cache.shape[2], slots % kv_cache.shape[2]
@@ -98,7 +98,7 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, T, 
 
 
 def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
-    _check(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    check_kv_write(k, v, kv_cache, slot_mapping, k_scale, v_scale)
     t, h, d = k.shape
     if not pow2(d):
         raise ValueError(f"head_dim must be a power of two, got {d}")

@@ -8,7 +8,7 @@ import torch
 
 from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
 from asynct.ops.dyht import output_buffer
-from asynct.ops.kv_cache import check_kv_cache, check_kv_scales, is_fp8, store_cache_rows, write_kv_cache
+from asynct.ops.kv_cache import check_kv_write, is_fp8, store_cache_rows, write_kv_cache
 
 
 def rope_cos_sin_cache(head_dim, max_positions, theta=10000.0, device=None):
@@ -176,13 +176,9 @@ def qk_norm_rope_to_cache_triton(q, k, v, positions, q_alpha, q_weight, k_alpha,
 
 
 def _check_target(k, v, kv_cache, slot_mapping, k_scale, v_scale):
-    check_kv_cache(kv_cache)
-    check_kv_scales(kv_cache, k_scale, v_scale)
-    if tuple(v.shape) != tuple(k.shape) or v.stride(-1) != 1 or tuple(kv_cache.shape[3:]) != tuple(k.shape[1:]):
-        raise ValueError(f"k and v must both be [T, Hkv, D] with unit last stride, fitting the cache "
-                         f"{tuple(kv_cache.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if slot_mapping.shape != (k.shape[0],) or not slot_mapping.is_contiguous():
-        raise ValueError(f"slot_mapping must be a contiguous ({k.shape[0]},), got {tuple(slot_mapping.shape)}")
+    check_kv_write(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    if not slot_mapping.is_contiguous():    # the kernel reads slot t at slot_ptr + t
+        raise ValueError("slot_mapping must be contiguous")
 
 
 def rope_triton(x, positions, cos_sin_cache):
