@@ -123,7 +123,11 @@ def test_a_decode_step_sends_its_inputs_in_two_copies(tiny_ckpt, monkeypatch):
     assert len(calls) == 2
 
 
-def test_one_copy_keeps_every_part_16_byte_aligned():
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_copy_keeps_every_part_16_byte_aligned(device):
     """Triton specialises a pointer on 16-byte alignment: parts at 8-byte offsets compiled new
     variants of the decode and KV-write kernels mid-run on the GPU (H200). Values, dtypes and
     shapes are the parts'."""
@@ -133,10 +137,29 @@ def test_one_copy_keeps_every_part_16_byte_aligned():
     parts = [([1, 2, 3], torch.int32), ([], torch.int64), (np.arange(6, dtype=np.int32).reshape(2, 3), torch.int32),
              ([2**40, -1], torch.int64), ([0.5, -1.25, 3.0], torch.float32), ([True, False, True], torch.bool),
              ([7], torch.int32), (np.arange(12, dtype=np.int64).reshape(3, 4)[:, 1:], torch.int64)]
-    out = host_to_device_many(parts, torch.device("cpu"))
+    out = host_to_device_many(parts, torch.device(device))
     for (data, dtype), t in zip(parts, out):
         assert t.dtype == dtype and t.shape == np.asarray(data).shape and t.tolist() == np.asarray(data).tolist()
         assert t.storage_offset() * t.element_size() % 16 == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_host_copies_keep_values_past_the_intra_op_threshold(device):
+    """The pinned staging copies by numpy (base.pinned): lists of every dtype the engine sends,
+    and arrays past torch's 32K-element parallel-copy threshold, arrive whole."""
+    import numpy as np
+
+    from asynct.attention.base import copy_from_host, host_to_device
+    dev = torch.device(device)
+    for data, dtype in [([3, -1, 2**40], torch.long), ([0.5, 2.0], torch.float32), ([True, False], torch.bool),
+                        ([7, 8], torch.int32), ([], torch.long)]:
+        t = host_to_device(data, dtype, dev)
+        assert t.device.type == device and t.dtype == dtype and t.tolist() == data
+    big = np.random.default_rng(0).integers(0, 2**31 - 1, size=(300, 257), dtype=np.int32)
+    assert torch.equal(host_to_device(big, torch.int32, dev).cpu(), torch.from_numpy(big))
+    dst = torch.zeros(big.size + 5, dtype=torch.int32, device=dev)
+    copy_from_host(dst[5:], big.reshape(-1))
+    assert torch.equal(dst.cpu()[5:], torch.from_numpy(big.reshape(-1))) and not dst[:5].any()
 
 
 def test_a_reused_request_id_gets_no_output_of_the_step_left_in_flight(tiny_ckpt):

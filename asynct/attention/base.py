@@ -50,16 +50,26 @@ def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tens
     """A host list/array on `device` without waiting for the device: a plain copy to CUDA
     synchronises the stream, which would stall the host behind the step in flight. Pinned
     blocks come from torch's caching host allocator, which reuses one only after its copy ran."""
-    t = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
     if device.type != "cuda":
+        t = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
         return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return pinned(data if isinstance(data, np.ndarray) else np.asarray(data, dtype=_NUMPY[dtype])) \
+        .to(device, non_blocking=True)
 
 
 def copy_from_host(dst: torch.Tensor, data: np.ndarray):
     """host_to_device into an existing tensor (a graph's static buffer), without waiting."""
-    src = torch.from_numpy(data)
-    dst.copy_(src.pin_memory() if dst.is_cuda else src, non_blocking=True)
+    dst.copy_(pinned(data) if dst.is_cuda else torch.from_numpy(data), non_blocking=True)
+
+
+def pinned(data: np.ndarray) -> torch.Tensor:
+    """A pinned copy of `data`, copied by numpy on this thread. Tensor.pin_memory() copies with
+    torch's intra-op threads past 32K elements (a 256-row block table), and those threads then
+    spin-wait for the next such copy: in a server's engine process on an H200 host, 15 threads
+    at 0.6 of a core each, taking cores from the API process and its clients."""
+    out = torch.empty(data.shape, dtype=torch.from_numpy(data).dtype, pin_memory=True)
+    out.numpy()[...] = data
+    return out
 
 
 _NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
