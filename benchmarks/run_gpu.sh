@@ -6,6 +6,11 @@
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
+# A peer tree (`git archive <commit> asynct | tar -x -C peer`) runs from its own directory:
+#   (cd peer && PYTHONPATH=$PWD/peer python3 -m asynct.entrypoints.cli bench ...)
+# `python -m` and `python -c` put the working directory ahead of PYTHONPATH, and benchmarks that
+# insert their checkout's root (serve_load.py, api_capacity.py, decode_streamk.py, ...) do the same:
+# a peer named only in PYTHONPATH from this root runs this tree (`asynct bench` prints which ran).
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

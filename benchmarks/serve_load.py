@@ -2,7 +2,9 @@
 inter-token latency at each concurrency, then `LLM.generate` on a like-drawn prompt set in the same
 run. `overhead` = offline output tok/s / served output tok/s: what HTTP, SSE and the asyncio bridge
 cost (1.0: nothing; 1.25: the server delivers 80 % of offline throughput); `server_cpu` and
-`client_cpu`: cores busy in the server and in the load generator. Prints a table last.
+`client_cpu`: cores busy in the server and in the load generator; `server_threads`: the server's
+threads busy above a tenth of a core (4 or so: more is a pool spinning, as torch's intra-op
+threads once did in the engine process, 15 of them at 0.6 core each). Prints a table last.
 
     PYTHONPATH=. python3 benchmarks/serve_load.py                        # GPU: bench-0.6b preset
     PYTHONPATH=. python3 benchmarks/serve_load.py --num-prompts 32       # CPU smoke run: tiny preset
@@ -141,6 +143,11 @@ def cpu_seconds(procs) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
+def thread_seconds(procs) -> dict:
+    """(pid, thread id) -> CPU seconds, for every thread of `procs`."""
+    return {(p.pid, t.id): t.user_time + t.system_time for p in procs for t in p.threads()}
+
+
 def run_level(url, prompts, output_len, concurrency, procs, server_pid) -> dict:
     procs = max(1, min(procs, concurrency))
     shares = [(url, prompts[i::procs], output_len, concurrency // procs + (i < concurrency % procs))
@@ -149,13 +156,15 @@ def run_level(url, prompts, output_len, concurrency, procs, server_pid) -> dict:
     server = [server] + server.children(recursive=True)      # the engine process too
     with mp.get_context("fork").Pool(procs) as pool:
         start_at = time.perf_counter() + 0.5          # every process connects and waits for this
-        server_cpu0 = cpu_seconds(server)
+        server_cpu0, threads0 = cpu_seconds(server), thread_seconds(server)
         parts = pool.map(_client_proc, [share + (start_at,) for share in shares])
     results = [r for rs, _ in parts for r in rs]
     wall = max(r.get("end", start_at) for r in results) - start_at
     server_cpu = cpu_seconds(server) - server_cpu0
+    busy = [k for k, t in thread_seconds(server).items() if t - threads0.get(k, 0.0) > 0.1 * wall]
     row = summarize(f"server, {concurrency} clients", results, wall)
     row["server_cpu"], row["client_cpu"] = server_cpu / wall, sum(cpu for _, cpu in parts) / wall
+    row["server_threads"] = len(busy)
     return row
 
 
@@ -211,7 +220,7 @@ def offline(a, model, warmup, prompts) -> dict:
 
 
 COLS = ["requests", "failed", "wall_s", "req_s", "out_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
-        "itl_p99_ms", "tpot_p50_ms", "server_cpu", "client_cpu", "overhead"]
+        "itl_p99_ms", "tpot_p50_ms", "server_cpu", "server_threads", "client_cpu", "overhead"]
 
 
 def _fmt(v):

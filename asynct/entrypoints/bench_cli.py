@@ -112,6 +112,10 @@ def _refuse_ignored(a):
 def bench(a, model, device):
     from asynct import LLM
     from asynct.entrypoints.cli import engine_kwargs
+    import asynct
+    # which tree ran: `python -m` puts the working directory ahead of PYTHONPATH, so a peer tree
+    # named only in PYTHONPATH and run from a checkout's root silently ran the checkout
+    print(f"asynct {asynct.__version__} from {Path(asynct.__file__).parent}", flush=True)
     bw = copy_bandwidth(device)
     print(f"device {device}: copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     with _compiles(device) as startup:
