@@ -46,15 +46,17 @@ class StepInputs:
     num_decodes: int
 
 
+_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
+
+
 def host_to_device(data, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list/array on `device` without waiting for the device: a plain copy to CUDA
     synchronises the stream, which would stall the host behind the step in flight. Pinned
     blocks come from torch's caching host allocator, which reuses one only after its copy ran."""
+    a = data if isinstance(data, np.ndarray) else np.asarray(data, dtype=_NUMPY[dtype])
     if device.type != "cuda":
-        t = torch.from_numpy(data) if isinstance(data, np.ndarray) else torch.tensor(data, dtype=dtype)
-        return t.to(device)
-    return pinned(data if isinstance(data, np.ndarray) else np.asarray(data, dtype=_NUMPY[dtype])) \
-        .to(device, non_blocking=True)
+        return torch.from_numpy(a).to(device)
+    return pinned(a).to(device, non_blocking=True)
 
 
 def copy_from_host(dst: torch.Tensor, data: np.ndarray):
@@ -70,9 +72,6 @@ def pinned(data: np.ndarray) -> torch.Tensor:
     out = torch.empty(data.shape, dtype=torch.from_numpy(data).dtype, pin_memory=True)
     out.numpy()[...] = data
     return out
-
-
-_NUMPY = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32, torch.bool: np.bool_}
 
 
 def host_to_device_many(parts, device: torch.device) -> list[torch.Tensor]:
