@@ -1,8 +1,10 @@
 """The engine against the reference model: greedy tokens, logprobs, preemption, chunking,
 prefix caching, sampling, stops, and every KV block freed."""
 import pickle
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -46,6 +48,8 @@ def assert_all_blocks_free(llm):
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
     assert not llm.llm_engine.requests
+    # every sequence's host block-table row was given back, zeroed
+    assert len(bm.tables.free_rows) == bm.tables.array.shape[0] and not bm.tables.array.any()
 
 
 SETTINGS = {
@@ -260,6 +264,27 @@ def test_bad_requests_fail_alone(tiny_ckpt):
     assert "max_model_len=64" in outs[0].error and outs[0].outputs[0].finish_reason == "error"
     assert outs[1].error is None and len(outs[1].outputs[0].token_ids) == 4
     assert "vocabulary" in outs[2].error and "empty" in outs[3].error
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_settings_that_ban_every_token_fail_their_request_alone(tiny_ckpt, temperature):
+    """allowed_token_ids=[7] with 7 a stop token held back by min_tokens leaves no token to draw:
+    the row drew token 0, silently. Now its request ends with an error naming the settings, at
+    its first token or later (min_tokens counts the tokens already out); the others run on."""
+    llm = LLM(tiny_ckpt)
+    plain = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    banned = SamplingParams(temperature=temperature, allowed_token_ids=[7], stop_token_ids=[7], min_tokens=3,
+                            max_tokens=6, seed=1)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 5, 30, seed=4)]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, plain, use_tqdm=False)]
+    outs = llm.generate(prompts + prompts[:1], [plain, banned, plain, banned], use_tqdm=False)
+    for o in (outs[1], outs[3]):
+        assert "no token can be sampled" in o.error and "min_tokens" in o.error
+        assert o.outputs[0].finish_reason == "error" and 0 not in o.outputs[0].token_ids
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [want[0], want[2]]
+    allowed_alone = SamplingParams(temperature=temperature, allowed_token_ids=[7], max_tokens=3, seed=1)
+    assert llm.generate(prompts[:1], allowed_alone, use_tqdm=False)[0].outputs[0].token_ids == [7, 7, 7]
     assert_all_blocks_free(llm)
 
 
@@ -705,3 +730,30 @@ def test_the_compile_pass_takes_the_cores_it_may_run_on(monkeypatch, cores, work
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 999)
     assert runner_startup.compile_workers() == workers
+
+
+def test_host_block_tables_equal_the_lists_as_rows_grow_and_return():
+    """Rows taken, widened, doubled and given back (zeroed) gather what block_table_array
+    makes of the sequences' own lists."""
+    from asynct.attention.base import block_table_array
+    from asynct.engine.block_table import HostBlockTables
+    from asynct.engine.sequence import Sequence
+    rng = random.Random(0)
+    tables = HostBlockTables(rows=2, width=3)
+    seqs = [Sequence(i, f"r{i}", 0, [1], SamplingParams(), 16) for i in range(7)]
+    for step in range(60):
+        seq = rng.choice(seqs)
+        if seq.block_table and rng.random() < 0.25:
+            tables.release(seq)
+            seq.block_table = []
+        else:
+            start = len(seq.block_table)
+            seq.block_table += [rng.randrange(1, 10**6) for _ in range(rng.randint(1, 5))]
+            tables.extend(seq, start)
+        held = [s for s in seqs if s.block_table]
+        rng.shuffle(held)
+        assert np.array_equal(tables.gather(held), block_table_array([s.block_table for s in held]))
+    assert tables.array.shape[0] >= 7 and tables.array.shape[1] > 3
+    for s in seqs:
+        tables.release(s)
+    assert not tables.array.any() and len(tables.free_rows) == tables.array.shape[0]

@@ -14,7 +14,7 @@ def draws(probs: list[float], rows: int = 400, **kw) -> set[int]:
     logits = torch.tensor([[math.log(p) for p in probs]] * rows)
     params = SamplingParams(temperature=1.0, **kw)
     seqs = [Sequence(i, str(i), 0, [0], params, 16) for i in range(rows)]
-    return set(sample(logits, seqs).tolist())
+    return set(sample(logits, seqs)[0].tolist())
 
 
 def test_top_p_takes_its_nucleus_after_top_k_and_min_p():
@@ -123,9 +123,10 @@ def test_sampling_draws_from_the_adjusted_logits():
         want = reference(logits, ROWS)
         plain = [(p, o, {k: v for k, v in kw.items() if k in ("temperature", "seed", "top_k", "top_p", "min_p")})
                  for p, o, kw in ROWS]
-        got = sample(logits, seqs)
-        assert torch.equal(got, sample(want, make_seqs(plain)))
-        assert got[8] == 13 and got.tolist() != sample(logits, make_seqs(plain)).tolist()
+        got, blocked = sample(logits, seqs)
+        assert torch.equal(got, sample(want, make_seqs(plain))[0])
+        assert got[8] == 13 and got.tolist() != sample(logits, make_seqs(plain))[0].tolist()
+        assert not blocked.any()
         assert got[12] in (73, 74, 80)
 
 

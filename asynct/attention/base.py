@@ -41,8 +41,8 @@ class StepInputs:
     """What the model runner knows about a step, on the host, before any tensor is built."""
     query_lens: list[int]
     seq_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
+    block_tables: list[list[int]] | np.ndarray   # the engine's: block_table_array's already
+    slot_mapping: list[int] | np.ndarray
     num_decodes: int
 
 
@@ -96,8 +96,10 @@ def host_to_device_many(parts, device: torch.device) -> list[torch.Tensor]:
             for p, a, (_, dtype) in zip(pieces[::2], arrays, parts)]
 
 
-def block_table_array(tables: list[list[int]]) -> np.ndarray:
+def block_table_array(tables: list[list[int]] | np.ndarray) -> np.ndarray:
     """Ragged block tables -> a zero-padded int32 array (row copies, not a list of lists)."""
+    if isinstance(tables, np.ndarray):
+        return tables
     out = np.zeros((len(tables), max(map(len, tables), default=1) or 1), dtype=np.int32)
     for i, t in enumerate(tables):
         out[i, :len(t)] = t

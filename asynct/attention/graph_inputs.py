@@ -11,7 +11,7 @@ Rows past the step's are empty sequences: length 0, slot -1, position 0; the row
 import numpy as np
 import torch
 
-from asynct.attention.base import StepInputs, copy_from_host
+from asynct.attention.base import StepInputs
 
 # (name, dtype, one entry or one a row); each part starts 16-byte aligned: Triton specialises a
 # pointer on its 16-byte alignment
@@ -54,7 +54,9 @@ class GraphStepInputs:
         graph's rows in decode order, longest_first) and queues the copies without waiting for
         the device."""
         n, width = table.shape
-        host = np.zeros(self.table_offset + table.nbytes, dtype=np.uint8)
+        staged = torch.empty(self.table_offset + table.nbytes, dtype=torch.uint8, pin_memory=self.buffer.is_cuda)
+        host = staged.numpy()       # packed in place: no second copy into pinned memory
+        host[:self.table_offset] = 0
         part = self._host_views(host)
         part["seq_lens"][:n] = step.seq_lens
         part["positions"][:n] = part["seq_lens"][:n] - 1     # a decode token's position
@@ -64,9 +66,9 @@ class GraphStepInputs:
         if order is not None:
             part["decode_order"][:len(order)] = order
         host[self.table_offset:] = table.reshape(-1).view(np.uint8)
-        copy_from_host(self.buffer[:host.nbytes], host)
-        staged = self.buffer[self.table_offset:host.nbytes].view(torch.int32).view(n, width)
-        self.block_table[:n, :width].copy_(staged, non_blocking=True)
+        self.buffer[:host.nbytes].copy_(staged, non_blocking=True)
+        rows = self.buffer[self.table_offset:host.nbytes].view(torch.int32).view(n, width)
+        self.block_table[:n, :width].copy_(rows, non_blocking=True)
 
     def _host_views(self, host: np.ndarray) -> dict:
         return {name: host[start:start + count * np.dtype(dtype).itemsize].view(dtype)

@@ -3,6 +3,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+from asynct.engine.block_table import HostBlockTables
 from asynct.engine.sequence import Sequence
 
 
@@ -38,6 +39,7 @@ class BlockManager:
         self.hash_to_block_id: dict[bytes, int] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self.num_queries = self.num_hits = 0      # prefix-cache hit rate, in blocks
+        self.tables = HostBlockTables()
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,11 +92,16 @@ class BlockManager:
         new = total - len(seq.block_table) - len(hits)
         return new + sum(1 for b in hits if b.ref_count == 0)
 
+    def holds(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the sequence's blocks already hold `num_tokens` more (15 of a decode's 16 steps)."""
+        return seq.num_computed_tokens + num_tokens <= len(seq.block_table) * self.block_size
+
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[Block] = ()) -> bool:
         return self.blocks_needed(seq, num_tokens, hits) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[Block] = ()):
         """Takes the prefix hits (first scheduling only), then fresh blocks for `num_tokens`."""
+        start = len(seq.block_table)
         if hits:
             for block in hits:
                 if block.ref_count == 0:
@@ -106,6 +113,8 @@ class BlockManager:
         need = (seq.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
         while len(seq.block_table) < need:
             seq.block_table.append(self._take_free_block().block_id)
+        if len(seq.block_table) > start:
+            self.tables.extend(seq, start)
 
     def record_prefix_query(self, seq: Sequence, hits: list[Block]):
         self.num_queries += seq.num_cacheable_tokens // self.block_size
@@ -130,6 +139,7 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids[bid] = None
+        self.tables.release(seq)
         seq.block_table = []
         seq.block_hashes = []
 

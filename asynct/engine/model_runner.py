@@ -6,6 +6,7 @@ step N stay on the device and become step N+1's inputs there; only their copies 
 (pinned, non-blocking) are waited for, one step later."""
 import time
 
+import numpy as np
 import torch
 
 from asynct.attention import StepInputs, resolve_backend
@@ -68,21 +69,25 @@ class ModelRunner(RunnerStartup):
 
     # ---- one step -------------------------------------------------------------------------
     def step_inputs(self, batch: ScheduledBatch):
-        """Host lists for the step; a token still on the device (sampled by the step before)
-        is a placeholder in `ids`, listed in `pending` as (input row, row of last_sampled)."""
-        ids, pos, slots, pending = [], [], [], []
-        bs = self.block_size
+        """Host inputs for the step; a token still on the device (sampled by the step before)
+        is a placeholder in `ids`, listed in `pending` as (input row, row of last_sampled).
+        Positions and slots come from the batch's block table as arrays: a generator of slots
+        a token cost an 8K-token prefill step milliseconds."""
+        ids, pending, starts = [], [], []
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            start, known = seq.num_computed_tokens, len(seq.token_ids)
+            start = seq.num_computed_tokens
+            starts.append(start)
             ids.extend(seq.token_ids[start:start + n])
-            if start + n > known:                      # at most its last token
+            if start + n > len(seq.token_ids):         # at most its last token
                 ids.append(0)
                 pending.append((len(ids) - 1, seq.sample_row))
-            pos.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-        step = StepInputs(list(batch.num_tokens), [s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_tokens)],
-                          [s.block_table for s in batch.seqs], slots, batch.num_decodes)
+        counts = np.asarray(batch.num_tokens, dtype=np.int64)
+        rows = np.repeat(np.arange(len(counts)), counts)
+        first = np.cumsum(counts) - counts                       # each row's first token
+        pos = np.asarray(starts, dtype=np.int64)[rows] + np.arange(len(ids)) - first[rows]
+        slots = batch.block_table[rows, pos // self.block_size] * np.int64(self.block_size) + pos % self.block_size
+        step = StepInputs(list(batch.num_tokens), [a + n for a, n in zip(starts, batch.num_tokens)],
+                          batch.block_table, slots, batch.num_decodes)
         return ids, pos, step, pending
 
     def _forward(self, input_ids, positions, metadata):
@@ -178,15 +183,17 @@ class ModelRunner(RunnerStartup):
         if greedy is not None and takes_raw_argmax(seqs):
             sampled = greedy
         else:   # before last_sampled is replaced: it holds the pending tokens the penalties count
-            sampled = sample(logits, seqs, self.eos_token_ids, self.last_sampled, self.penalty_counts)
+            sampled, blocked = sample(logits, seqs, self.eos_token_ids, self.last_sampled, self.penalty_counts)
+            if blocked is not None:
+                host["blocked"] = to_host(blocked)
         self.last_sampled = sampled
         host["tokens"] = to_host(sampled)
         host["logprobs"] = self._logprob_tensors(logits, sampled, seqs)
 
     def _logprob_tensors(self, logits, sampled, seqs):
-        want = [s.params.logprobs for s in seqs]
-        if all(w is None for w in want):
+        if all(s.params.logprobs is None for s in seqs):
             return None
+        want = [s.params.logprobs for s in seqs]
         return want, logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), sampled,
                                       max(w or 0 for w in want))
 
@@ -228,17 +235,21 @@ class ModelRunner(RunnerStartup):
         batch, host = launched.batch, launched.host
         tokens: list = [None] * len(batch.seqs)
         logprobs: list = [None] * len(batch.seqs)
+        blocked = [False] * len(batch.seqs)
         if launched.samplers:
             sampled = host["tokens"].tolist()
             lps = entries(host["logprobs"], sampled)
             for j, i in enumerate(launched.samplers):
                 tokens[i], logprobs[i] = sampled[j], lps[j]
+            if "blocked" in host:
+                for j, no_token in enumerate(host["blocked"].tolist()):
+                    blocked[launched.samplers[j]] = no_token
         prompt = [[] for _ in batch.seqs]
         if launched.prompt_rows:
             targets = [t for _, _, t in launched.prompt_rows]
             for (i, _, _), e in zip(launched.prompt_rows, entries(host["prompt"], targets)):
                 prompt[i].append(e)
-        return StepOutput(tokens, logprobs, prompt)
+        return StepOutput(tokens, logprobs, prompt, blocked)
 
     def run(self, batch: ScheduledBatch) -> StepOutput:
         """Launch and finish at once (the synchronous loop, tests, benchmarks)."""

@@ -28,7 +28,7 @@ class RequestFailureMixin:
             if seq.is_finished:
                 continue
             try:
-                launched = self.runner.launch(ScheduledBatch.of([(seq, n)]))
+                launched = self.runner.launch(ScheduledBatch.of([(seq, n)], self.scheduler.block_manager.tables))
             except Exception as e:
                 req = self.requests.get(seq.request_id)
                 if req is not None:

@@ -76,13 +76,22 @@ def takes_raw_argmax(seqs: list[Sequence]) -> bool:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sampled=None,
-           penalty_counts=None) -> torch.Tensor:
-    """logits [R, V] of the rows that sample -> token ids [R] (on the logits' device). Greedy
-    rows take the argmax of the model-dtype logits (fp32 where a row has penalties, a bias or
-    allowed tokens); sampling runs in fp32. `prev_sampled`: the step before's samples, which
-    hold the output tokens still pending on the device (async scheduling), for the penalties;
-    `penalty_counts`, the engine's penalty_counts.PenaltyCounts."""
-    logits = adjust_logits(suppress_stops(logits, seqs, eos_token_ids), seqs, prev_sampled, penalty_counts)
+           penalty_counts=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [R, V] of the rows that sample -> (token ids [R], rows left no token [R] bool or
+    None), on the logits' device. Greedy rows take the argmax of the model-dtype logits (fp32
+    where a row has penalties, a bias or allowed tokens); sampling runs in fp32. A row whose
+    allowed tokens, bad words, bias and min_tokens ban every token draws token 0: the second
+    tensor marks it, where any row's logits were adjusted (None where none were). `prev_sampled`:
+    the step before's samples, which hold the output tokens still pending on the device (async
+    scheduling), for the penalties; `penalty_counts`, the engine's penalty_counts.PenaltyCounts."""
+    if takes_raw_argmax(seqs):     # one pass over the rows, not one a check (an evaluation's steps)
+        return logits.argmax(-1), None
+    adjusted = adjust_logits(suppress_stops(logits, seqs, eos_token_ids), seqs, prev_sampled, penalty_counts)
+    blocked = None if adjusted is logits else adjusted.amax(-1) == float("-inf")
+    return _draw(adjusted, seqs), blocked
+
+
+def _draw(logits, seqs):
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         return logits.argmax(-1)

@@ -3,7 +3,10 @@ filling the token budget. When blocks run out, the newest sequences are preempte
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 from asynct.engine.block_manager import BlockManager
+from asynct.engine.block_table import HostBlockTables
 from asynct.engine.sequence import Sequence, SequenceStatus
 
 
@@ -13,13 +16,15 @@ class ScheduledBatch:
     num_tokens: list[int]       # tokens each sequence computes this step
     num_decodes: int
     num_prompt_tokens: int = 0  # of those, prompt positions (a one-token prompt is a "decode" above)
+    block_table: np.ndarray | None = None   # [len(seqs), longest] int32, zero-padded
 
     @classmethod
-    def of(cls, picked: list[tuple[Sequence, int]]) -> "ScheduledBatch":
+    def of(cls, picked: list[tuple[Sequence, int]], tables: HostBlockTables) -> "ScheduledBatch":
         """Sequences with the tokens each computes; one-token queries (decodes) first, stably."""
         picked = sorted(picked, key=lambda p: p[1] != 1)
-        return cls([s for s, _ in picked], [n for _, n in picked], sum(1 for _, n in picked if n == 1),
-                   sum(_prompt_part(s, n) for s, n in picked))
+        seqs = [s for s, _ in picked]
+        return cls(seqs, [n for _, n in picked], sum(1 for _, n in picked if n == 1),
+                   sum(_prompt_part(s, n) for s, n in picked), tables.gather(seqs))
 
     @property
     def total_tokens(self) -> int:
@@ -68,7 +73,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or self._ends_with_pending(seq):
                 continue   # preempted earlier in this loop, or its last token is on the device
             n = min(seq.num_uncomputed_tokens, budget)
-            if self._make_room(seq, n):
+            if self.block_manager.holds(seq, n) or self._make_room(seq, n):
                 self.block_manager.allocate(seq, n)
                 picked.append((seq, n))
                 budget -= n
@@ -79,7 +84,7 @@ class Scheduler:
                 break
             picked.append((self.running[-1], n))
             budget -= n
-        return ScheduledBatch.of(picked)
+        return ScheduledBatch.of(picked, self.block_manager.tables)
 
     def _ends_with_pending(self, seq: Sequence) -> bool:
         """A token still on the device that reaches max_tokens or max_model_len ends the

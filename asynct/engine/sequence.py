@@ -22,6 +22,7 @@ class Sequence:
         self.block_size = block_size
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
+        self.table_row = -1               # its row of the block manager's HostBlockTables
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks computed so far
         self.num_computed_tokens = 0      # tokens whose K/V are in the cache (or queued to be)
         self.num_cached_tokens = 0        # of those, how many came from the prefix cache

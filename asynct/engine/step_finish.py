@@ -6,6 +6,11 @@ from asynct.engine.sequence import Request, Sequence
 from asynct.engine.step_output import LaunchedStep
 
 
+# the token such a row drew (0) stands for none: the request ends with this error instead
+NO_TOKEN_LEFT = ("no token can be sampled: this request's allowed_token_ids, bad_words, logit_bias and "
+                 "min_tokens (which holds back EOS and stop_token_ids) together ban every token")
+
+
 class StepFinishMixin:
     """LLMEngine's step finishing. It reads the engine's runner, scheduler, block_manager,
     detokenizer, requests, stats, eos_token_ids, generation_eos_ids and max_model_len, counts the
@@ -16,13 +21,17 @@ class StepFinishMixin:
         out = self.runner.finish(launched)
         self._count(batch)
         touched, failed = {}, {}
-        for seq, token, lp, plp in zip(batch.seqs, out.tokens, out.logprobs, out.prompt_logprobs):
+        for seq, token, lp, plp, blocked in zip(batch.seqs, out.tokens, out.logprobs, out.prompt_logprobs,
+                                                out.blocked):
+            req = self.requests.get(seq.request_id)
+            if blocked and not seq.is_finished:
+                failed[seq.request_id] = NO_TOKEN_LEFT
+                continue
             try:
-                self._finish_seq(seq, token, lp, plp)
+                self._finish_seq(seq, req, token, lp, plp)
             except Exception as e:
                 failed[seq.request_id] = self._failure(seq, e)
                 continue
-            req = self.requests.get(seq.request_id)
             # `seq` may be of an ended request whose id a new request took while this step ran
             if req is not None and seq.index < len(req.seqs) and req.seqs[seq.index] is seq \
                     and (req.stream or req.finished):
@@ -31,42 +40,43 @@ class StepFinishMixin:
         return outputs + [self._fail_request(self.requests[rid], msg) for rid, msg in failed.items()
                           if rid in self.requests]
 
-    def _finish_seq(self, seq: Sequence, token, lp, plp):
+    def _finish_seq(self, seq: Sequence, req: Request | None, token, lp, plp):
+        """`req`: the request now under seq's id, its own unless seq ended (then unused)."""
         if seq.prompt_logprobs is not None:
             seq.prompt_logprobs.extend(plp)
         if token is not None:
             seq.num_pending_tokens -= 1
             if seq.is_finished:     # ended (stop, abort, error) while this step was in flight
                 return
-            self._append(seq, token, lp)
+            self._append(seq, req, token, lp)
         if not seq.is_finished:
             self.block_manager.commit_full_blocks(seq)
 
-    def _append(self, seq: Sequence, token: int, logprob):
+    def _append(self, seq: Sequence, req: Request, token: int, logprob):
         seq.append_token(token)
         self.stats["generation_tokens"] += 1
         if logprob is not None:
             seq.logprobs.append(self.detokenizer.annotate(logprob) if self.detokenizer else logprob)
             seq.cumulative_logprob += logprob[token].logprob
-        reason = self._stop_reason(seq, token)
+        reason = self._stop_reason(seq, req, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if self.detokenizer and not isinstance(seq.stop_reason, str):
                 # incremental text holds back an unfinished character; the whole text has it
                 seq.text = self._final_text(seq)
 
-    def _stop_reason(self, seq: Sequence, token: int):
-        p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+    def _stop_reason(self, seq: Sequence, req: Request, token: int):
+        p, num_out = seq.params, seq.num_output_tokens
+        if num_out >= p.min_tokens:
             if token in self.eos_token_ids and not p.ignore_eos:
                 return "stop"
             if token in p.stop_token_ids or (token in self.generation_eos_ids and not p.ignore_eos):
                 seq.stop_reason = token
                 return "stop"
-        if self.detokenizer and self.requests[seq.request_id].incremental:
+        if self.detokenizer and req.incremental:
             if self.detokenizer.step(seq):
                 return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_out >= p.max_tokens:
             return "length"
         return "length" if len(seq) >= self.max_model_len else None
 

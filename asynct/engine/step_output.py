@@ -15,6 +15,7 @@ class StepOutput:
     tokens: list[int | None]                       # per scheduled seq; None while prefilling
     logprobs: list[dict[int, Logprob] | None]
     prompt_logprobs: list[list[dict[int, Logprob]]]  # per seq: entries for this chunk's positions
+    blocked: list[bool]                            # per seq: its sampling settings banned every token
 
 
 @dataclass
