@@ -160,6 +160,20 @@ def test_malformed_chat_messages_are_clear_errors(llm, messages, words):
     assert llm.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
 
 
+@pytest.mark.parametrize("template,words", [
+    ("{% if messages|length > 1 %}{{ raise_exception('roles must alternate') }}{% endif %}",
+     "conversation 1: TemplateError: roles must alternate"),
+    ("{% if messages|length > 1 %}{{ messages.nope() }}{% endif %}", "conversation 1: UndefinedError"),
+    ("{% for m in messages %}", "conversation 0: TemplateSyntaxError"),
+])
+def test_a_failing_chat_template_is_a_clear_error(llm, template, words):
+    """Jinja's errors came through bare (a TemplateSyntaxError from deep in transformers); now a
+    ValueError that says the template failed, on which conversation, and Jinja's own words."""
+    with pytest.raises(ValueError, match=f"chat template failed on {words}"):
+        llm.chat([MESSAGES[-1:], MESSAGES], use_tqdm=False, chat_template=template)
+    assert llm.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
+
+
 def test_load_chat_template(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0].content }}")

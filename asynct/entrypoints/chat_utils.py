@@ -36,11 +36,16 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
     bad = next((c for c in conversations if not isinstance(c, (list, tuple))), None)
     if bad is not None:
         raise ValueError(f"a conversation is a list of messages, got {type(bad).__name__}")
-    return [tokenizer.apply_chat_template([template_message(m) for m in conv], chat_template=template, tokenize=False,
-                                          add_generation_prompt=add_generation_prompt,
-                                          continue_final_message=continue_final_message, tools=tools,
-                                          **(chat_template_kwargs or {}))
-            for conv in conversations]
+    texts = []
+    for i, conv in enumerate(conversations):
+        messages = [template_message(m) for m in conv]
+        try:
+            texts.append(tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {})))
+        except Exception as e:   # Jinja's own (raise_exception, a bad role), as the server's 400 says it
+            raise ValueError(f"the chat template failed on conversation {i}: {type(e).__name__}: {e}") from e
+    return texts
 
 
 def template_message(message: dict) -> dict:
