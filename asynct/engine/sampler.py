@@ -71,8 +71,8 @@ def takes_raw_argmax(seqs: list[Sequence]) -> bool:
     """Whether `sample` reduces to the argmax of the raw logits for every row: greedy, nothing
     adjusting the logits, no stop token held back by min_tokens. A decode graph's own argmax
     then stands for it."""
-    return all(s.params.greedy and not s.params.adjusts_logits and s.num_sampled_tokens >= s.params.min_tokens
-               for s in seqs)
+    return all(s.params.greedy and not s.params.adjusts_logits
+               and (not s.params.min_tokens or s.num_sampled_tokens >= s.params.min_tokens) for s in seqs)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sampled=None,

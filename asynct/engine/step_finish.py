@@ -34,7 +34,7 @@ class StepFinishMixin:
                 continue
             # `seq` may be of an ended request whose id a new request took while this step ran
             if req is not None and seq.index < len(req.seqs) and req.seqs[seq.index] is seq \
-                    and (req.stream or req.finished):
+                    and (req.stream or seq.is_finished and req.finished):
                 touched[seq.request_id] = req
         outputs = [self._output(req) for rid, req in touched.items() if rid not in failed]
         return outputs + [self._fail_request(self.requests[rid], msg) for rid, msg in failed.items()
