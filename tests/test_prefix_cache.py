@@ -1,4 +1,6 @@
 """The prefix cache's keys: a block is served only after exactly the same tokens before it."""
+import pytest
+
 from asynct.engine.block_manager import BlockManager, chain_hash
 from asynct.engine.sampling_params import SamplingParams
 from asynct.engine.sequence import Sequence
@@ -61,3 +63,19 @@ def test_blocks_are_made_as_first_taken_and_taken_in_the_old_order():
     again = run_prompt(bm, 2, list(range(2 * BS)) + [9])       # a's two full blocks, cached, then 5
     assert again.block_table == [0, 1, 5]
     assert run_prompt(bm, 3, [8] * (2 * BS + 1)).block_table == [2, 4, 3]   # freed: a's last, then b's
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_block_a_finishing_step_fills_is_published(tiny_ckpt, async_scheduling):
+    """A block of generated tokens that the sequence's last step completes is cached for a later
+    prompt that repeats it, with the synchronous loop too (a skipped commit once lost it)."""
+    from asynct import LLM
+    llm = LLM(tiny_ckpt, num_kv_blocks=200, block_size=4, async_scheduling=async_scheduling, device="cpu")
+    bm = llm.llm_engine.block_manager
+    prompt = list(range(10, 18))                     # two full blocks
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    before = bm.num_hits
+    follow = prompt + out[:4] + [99]                  # out[:4] fill the third block
+    llm.generate([{"prompt_token_ids": follow}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert bm.num_hits - before == 3
