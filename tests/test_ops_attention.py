@@ -336,6 +336,51 @@ def test_decode_shared_prefix_interpreted(hq, hkv, d, bs, pool, relu, lens, pref
     assert err < 1e-5
 
 
+@pytest.mark.parametrize("kind,kw", [
+    ("decode", dict(splits=3)), ("decode", dict(splits=2, prefix=True)), ("decode", dict(splits=1)),
+    ("prefill", dict(splits=3)), ("prefill", dict(splits=1)),
+])
+def test_a_launch_planned_once_serves_every_layer(kind, kw):
+    """The engine plans a step's attention once (DecodeLaunch / PrefillLaunch) and launches it
+    for each layer with the layer's cache, sigma, q and out: three layers of other values
+    through one plan (its split partials reused) each equal the reference of their own
+    tensors; a layer shaped otherwise than the plan is refused."""
+    from asynct.ops.asynci_decode import DecodeLaunch
+    from asynct.ops.asynci_prefill import PrefillLaunch
+    hq, hkv, d, bs, pool, relu = 4, 2, 16, 4, 3, True
+    gen = torch.Generator().manual_seed(5)
+    q_lens, ctx = ([1, 1, 1], [69, 40, 90]) if kind == "decode" else ([9, 1, 30], [40, 7, 0])
+    lens = [a + c for a, c in zip(q_lens, ctx)]
+    _, table = make_cache(lens, hkv, d, bs, torch.float32, DEV, gen)
+    seq = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    if kw.pop("prefix", False):
+        table[:, :4] = table[0, :4]
+    plen = torch.tensor([16], dtype=torch.int32, device=DEV)
+
+    def layer(seed):
+        g = torch.Generator().manual_seed(seed)
+        cache = torch.randn(2, int(table.max()) + 1, bs, hkv, d, generator=g).to(DEV)
+        q = torch.randn(sum(q_lens), hq, d, generator=g).to(DEV)
+        return q, cache, (torch.randn(hq, generator=g) * 1.5).to(DEV), torch.full_like(q, float("nan"))
+    q, cache, sigma, out = layer(0)
+    if kind == "decode":
+        plan = DecodeLaunch(q, cache, table, seq, sigma, d ** -0.5, pool, relu, out, splits=kw["splits"],
+                            prefix_len=plen if table[1, 0] == table[0, 0] else None)
+        ref = lambda q, c, s: asynci_decode_ref(q, c, table, seq, s, d ** -0.5, pool, relu, torch.empty_like(q))  # noqa: E731
+    else:
+        plan = PrefillLaunch(q, cache, table, qsl, seq, sigma, d ** -0.5, pool, relu, out, max(q_lens), max(lens),
+                             block_m=16, block_n=16, splits=kw["splits"])
+        ref = lambda q, c, s: asynci_prefill_ref(q, c, table, qsl, seq, s, d ** -0.5, pool, relu,  # noqa: E731
+                                                 torch.empty_like(q))
+    for seed in (1, 2, 3):
+        q, cache, sigma, out = layer(seed)
+        plan(q, cache, sigma, out)
+        assert rel_err(out, ref(q, cache, sigma)) < 1e-5
+    with pytest.raises(ValueError, match="planned for"):
+        plan(q[:, :2], cache, sigma[:2], out[:, :2])
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,pool,relu,q_lens,ctx,block_m", [
     (2, 2, 16, 4, 3, True, [5, 1, 20], [0, 9, 13], 16),     # chunks with cached prefixes
     (4, 2, 32, 16, 4, False, [40, 3], [0, 50], 32),

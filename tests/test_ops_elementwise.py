@@ -126,6 +126,46 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
+def test_kernel_launch_goes_to_the_compiled_kernel_only_where_arguments_specialise_alike():
+    """KernelLaunch: the first call through the JIT; later calls straight to the compiled
+    kernel it returned, unless a tensor's dtype or 16-byte alignment or any other argument
+    differs from that call's (then the JIT again, which may pick another compile). Checked
+    with a stand-in JIT that records who launched what."""
+    from asynct.ops._triton import KernelLaunch
+    log = []
+
+    class Compiled:
+        packed_metadata = ()
+
+        def __init__(self, key):
+            self.key = key
+
+        def __getitem__(self, grid):
+            return lambda *values: log.append(("compiled", self.key, grid, values))
+
+    class Jit:
+        arg_names = ["x_ptr", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                log.append(("jit", grid, args, kw))
+                return Compiled(len(log))
+            return run
+
+    launch = KernelLaunch(Jit(), (4,), num_warps=2)
+    buf = torch.zeros(64)
+    launch(buf, 7, BLOCK=16)
+    launch(buf[8:], 7, BLOCK=16)               # another pointer, 32 bytes on: aligned alike
+    launch(buf[1:], 7, BLOCK=16)               # 4 bytes on: not 16-byte aligned
+    launch(buf[1:], 7, BLOCK=16)
+    launch(buf.double(), 7, BLOCK=16)          # another dtype
+    launch(buf.double(), 8, BLOCK=16)          # another int
+    assert [e[0] for e in log] == ["jit", "compiled", "jit", "compiled", "jit", "jit"]
+    assert log[0][1:] == ((4, 1, 1), (buf, 7), dict(BLOCK=16, num_warps=2))
+    assert log[1][1] == 1 and log[1][3][1:] == (7, 16)     # the values in order, constexprs too
+    assert log[3][1] == 3                                  # the kernel of the latest JIT call
+
+
 def test_rope_cache_matches_formula():
     cache = rope_cos_sin_cache(8, 20, 500.0)
     p, i = 13, 3

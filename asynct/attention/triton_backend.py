@@ -7,7 +7,7 @@ that prefix once per tile of sequences instead of once per sequence (cascade att
 The CUDA-graph hooks keep static metadata buffers for decode-only steps (graph_inputs.py): replay
 sends the real step's rows there in one copy, the rest empty sequences that write nowhere."""
 import itertools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -16,8 +16,9 @@ from asynct.attention.base import (AttentionBackend, AttentionImpl, AttentionMet
                                    AttentionMetadataBuilder, StepInputs, block_table_array,
                                    host_to_device, register_backend)
 from asynct.attention.graph_inputs import GraphStepInputs, longest_first
-from asynct.ops import asynci_decode, asynci_prefill
-from asynct.ops.asynci_prefill import warmup_prefill
+from asynct.ops import asynci_decode
+from asynct.ops.asynci_decode import decode_launch
+from asynct.ops.asynci_prefill import prefill_launch, warmup_prefill
 
 CASCADE_MIN_DECODES = 16     # below this, a prefix tile holds too few sequences to pay off
 CASCADE_MIN_PREFIX = 128     # keys: two tiles
@@ -59,6 +60,8 @@ class TritonAttentionMetadata(AttentionMetadata):
     decode_prefix_len_cpu: int = 0
     decode_accumulates: bool = False   # into fp32 sums (DECODE_SUMS_MAX_ROWS)
     decode_order: torch.Tensor | None = None   # int32 [num_decodes]: rows longest first (DECODE_ORDER_MIN_ROWS)
+    # the step's attention launches, planned by the first layer for all (TritonAttentionImpl.launch)
+    launches: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
 
 class TritonMetadataBuilder(AttentionMetadataBuilder):
@@ -86,17 +89,29 @@ class TritonAttentionImpl(AttentionImpl):
     def forward(self, q, k, v, kv_cache, md: TritonAttentionMetadata, output):
         self.store_kv(k, v, kv_cache, md)
         nd, na = md.num_decode_tokens, md.num_actual_tokens
-        args = (self.sigma, self.scale, self.pool_size, self.relu_pre)
         if nd:
-            asynci_decode(q[:nd], kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, output[:nd],
-                          max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
-                          accumulate=md.decode_accumulates, order=md.decode_order, **self.kv_scales)
+            self.launch(md, "decode", q[:nd], kv_cache, output[:nd])
         if md.num_prefills:
-            asynci_prefill(q[nd:na], kv_cache, md.block_table[nd:], md.prefill_query_start_loc,
-                           md.seq_lens[nd:], *args, output[nd:na],
-                           max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len,
-                           **self.kv_scales)
+            self.launch(md, "prefill", q[nd:na], kv_cache, output[nd:na])
         return output
+
+    def launch(self, md: TritonAttentionMetadata, kind, q, kv_cache, out):
+        """The step's launch of `kind`, planned by the first layer that needs it (the layers'
+        pool size, ReLU and scale are the model's, so they share it: part of the key anyway)."""
+        key = (kind, self.pool_size, self.relu_pre, self.scale)
+        launch = md.launches.get(key)
+        if launch is None:
+            launch = md.launches[key] = self.plan(md, kind, q, kv_cache, out)
+        launch(q, kv_cache, self.sigma, out, self.k_scale, self.v_scale)
+
+    def plan(self, md: TritonAttentionMetadata, kind, q, kv_cache, out):
+        nd, args = md.num_decode_tokens, (self.sigma, self.scale, self.pool_size, self.relu_pre)
+        if kind == "decode":
+            return decode_launch(q, kv_cache, md.block_table[:nd], md.seq_lens[:nd], *args, out,
+                                 max_seq_len=md.max_decode_seq_len, prefix_len=md.decode_prefix_len,
+                                 accumulate=md.decode_accumulates, order=md.decode_order)
+        return prefill_launch(q, kv_cache, md.block_table[nd:], md.prefill_query_start_loc, md.seq_lens[nd:], *args,
+                              out, max_query_len=md.max_prefill_query_len, max_seq_len=md.max_prefill_seq_len)
 
 
 @register_backend

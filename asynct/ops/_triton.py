@@ -3,6 +3,8 @@ still evaluate, and every op falls back to its torch reference."""
 import functools
 import os
 
+from torch import Tensor as _Tensor
+
 try:
     import triton
     import triton.language as tl
@@ -67,6 +69,33 @@ def pdl_args(t, wanted=True) -> dict:
     """The launch options and the kernel's PDL flag for a launch on `t`'s device."""
     on = wanted and pdl(t)
     return dict(PDL=on, launch_pdl=on)
+
+
+class KernelLaunch:
+    """A Triton kernel's launch on one grid with fixed options, made again and again (a step's
+    attention, once a layer): the first call goes through Triton's JIT, the later ones straight
+    to the compiled kernel it returned, wherever the arguments specialise as the first call's
+    did (each tensor's dtype and 16-byte alignment, every other argument equal), else through
+    the JIT again. Triton 3.6's JIT binds, specialises and keys every argument on every call:
+    a 30-argument kernel cost ~45 us of host time a launch on an H100's host, the compiled
+    kernel's own launch ~12 (benchmarks/RESULTS.md), and a mixed step's eager attention
+    launches 70-105 of them. Arguments: the kernel's parameters in order, the trailing ones
+    (constexprs) by name."""
+
+    def __init__(self, fn, grid, **options):
+        self.fn, self.grid, self.options = fn, tuple(grid) + (1,) * (3 - len(grid)), options
+        self.names = getattr(fn, "arg_names", ())
+        self.runner = self.spec = None
+
+    def __call__(self, *args, **params):
+        values = args + tuple(params[n] for n in self.names[len(args):])
+        spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else a for a in values)
+        if self.runner is not None and spec == self.spec:
+            self.runner(*values)
+            return
+        kernel = self.fn[self.grid](*args, **params, **self.options)
+        # the interpreter (TRITON_INTERPRET=1) returns no compiled kernel: always through the JIT
+        self.runner, self.spec = (kernel[self.grid], spec) if hasattr(kernel, "packed_metadata") else (None, None)
 
 
 @jit

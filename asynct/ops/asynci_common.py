@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from asynct.ops._triton import jit as _jit, next_power_of_2, pdl_args, tl, triton, wait_for_prior
+from asynct.ops._triton import KernelLaunch, jit as _jit, next_power_of_2, pdl, tl, triton, wait_for_prior
 from asynct.ops.kv_cache import check_kv_scales, is_fp8
 
 
@@ -244,6 +244,18 @@ def sm_count(t) -> int:
     return _sm_count(t.device.index or 0) if t.is_cuda else 132
 
 
+def layer_layout(q, kv_cache, out) -> tuple:
+    """What a launch planned once for many layers (DecodeLaunch, PrefillLaunch) assumes of each
+    layer's tensors: their shapes, strides and dtypes."""
+    return q.shape, q.stride(), q.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, out.shape, out.stride(), \
+        out.dtype
+
+
+def check_layer(layout, q, kv_cache, out):
+    if layer_layout(q, kv_cache, out) != layout:
+        raise ValueError(f"a launch planned for q, cache and out of {layout} got {layer_layout(q, kv_cache, out)}")
+
+
 def split_output(out, splits, partials=False):
     """Where a kernel split `splits` ways over keys writes, and its (row, head, split) strides:
     `out` itself for one split (unless `partials`), else fp32 partials [rows, heads, splits, D]
@@ -255,19 +267,23 @@ def split_output(out, splits, partials=False):
             (hq * splits * d, splits * d, d))
 
 
-def sum_splits(dst, out, splits, lens, pre=None):
+def sum_splits(dst, out, splits, lens, pre=None, launch=None):
     """AsyncI has no normalisation: the partials of disjoint key ranges add. A decode's: only
     its splits that held keys wrote partials, known from `lens` (seq_lens, prefix_len, BLOCK_N,
     cascade); with `pre` (cascade: the shared prefix's partials [B, H, S_PRE, D]) those too,
     then even one split is summed. Launched with programmatic dependent launch where the device
-    has it."""
+    has it; `launch`, sum_splits_launch(out) kept for many layers (DecodeLaunch)."""
     if splits > 1 or pre is not None:
         seq, plen, block_n, cascade = lens
         s_pre = 0 if pre is None else pre.shape[2]
-        _sum_splits_kernel[out.shape[:2]](dst, out, seq, plen, dst if pre is None else pre, out.stride(0),
-                                          out.stride(1), splits, s_pre, D=out.shape[2], BLOCK_N=block_n,
-                                          CASCADE=cascade, num_warps=4, **pdl_args(out))
+        (launch or sum_splits_launch(out))(dst, out, seq, plen, dst if pre is None else pre, out.stride(0),
+                                           out.stride(1), splits, s_pre, D=out.shape[2], BLOCK_N=block_n,
+                                           CASCADE=cascade, PDL=pdl(out))
     return out
+
+
+def sum_splits_launch(out) -> KernelLaunch:
+    return KernelLaunch(_sum_splits_kernel, out.shape[:2], num_warps=4, launch_pdl=pdl(out))
 
 
 @_jit(do_not_specialize=["S", "B"])
@@ -290,17 +306,22 @@ def _sum_all_splits_kernel(mid_ptr, out_ptr, qsl_ptr, B, sot, soh, H, S, HP: tl.
     tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + d, acc.to(out_ptr.dtype.element_ty), mask=mask & own)
 
 
-def sum_all_splits(dst, out, splits, max_splits, query_start_loc):
+def sum_all_splits(dst, out, splits, max_splits, query_start_loc, launch=None):
     """`sum_splits` of a prefill, whose every split wrote a partial of every row of its chunks
     (zeros where it holds no key of that row); `max_splits`, the most it ever launches, fixes
-    the one compile. Rows of `out` outside the chunks keep their values."""
+    the one compile. Rows of `out` outside the chunks keep their values. `launch`:
+    sum_all_splits_launch(out) kept for many layers (PrefillLaunch)."""
     if splits > max_splits:
         raise ValueError(f"{splits} key splits, more than the {max_splits} the sum is compiled for")
     if splits > 1:
         t, h, d = out.shape
-        hp = next_power_of_2(h)
-        # 8 elements a thread, as measured (8 heads of 128, 4 warps), for any row size
-        warps = max(1, min(16, hp * d // 256))
-        _sum_all_splits_kernel[(t,)](dst, out, query_start_loc, query_start_loc.shape[0] - 1, out.stride(0),
-                                     out.stride(1), h, splits, HP=hp, D=d, MAX_S=max_splits, num_warps=warps)
+        (launch or sum_all_splits_launch(out))(dst, out, query_start_loc, query_start_loc.shape[0] - 1,
+                                               out.stride(0), out.stride(1), h, splits, HP=next_power_of_2(h),
+                                               D=d, MAX_S=max_splits)
     return out
+
+
+def sum_all_splits_launch(out) -> KernelLaunch:
+    t, h, d = out.shape
+    # 8 elements a thread, as measured (8 heads of 128, 4 warps), for any row size
+    return KernelLaunch(_sum_all_splits_kernel, (t,), num_warps=max(1, min(16, next_power_of_2(h) * d // 256)))

@@ -13,11 +13,14 @@ the prefix for 16 query rows each (_prefix_tile), and the sum adds their partial
 
 The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
 in asynci_common.py."""
+import functools
+
 import torch
 
-from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pdl_args, pow2, tl, wait_for_prior
-from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, fold_k_scale, kv_operands, scale_args,
-                                      sm_count, split_output, split_range, sum_splits)
+from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pdl, pow2, tl, wait_for_prior
+from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, check_layer, fold_k_scale, kv_operands,
+                                      layer_layout, scale_args, sm_count, split_output,
+                                      split_range, sum_splits, sum_splits_launch)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
@@ -171,6 +174,80 @@ def num_prefix_splits(batch, num_kv_heads, group, prefix_len, rows=16, sms=132, 
     return max(1, min(want, cdiv(max(prefix_len, 1), BLOCK_N), MAX_PREFIX_SPLITS))
 
 
+class DecodeLaunch:
+    """A decode planned once for a step's rows, launched by every layer: the argument checks,
+    split counts, grid and split partials follow the rows, not the layer (a mixed step's eager
+    attention recomputed them 35 times: benchmarks/RESULTS.md). A layer's call names only its
+    own tensors, which must be shaped as the plan's (`check_layer`). The partials serve every
+    layer in turn: a layer's sum has read them before the next layer's decode writes (stream
+    order; with programmatic dependent launch, the decode writes only after its wait)."""
+
+    def __init__(self, q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                 max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None, block_n=BLOCK_N,
+                 num_warps=4, num_stages=2, accumulate=False, order=None):
+        check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order)
+        if prefix_splits is not None and not 1 <= prefix_splits <= MAX_PREFIX_SPLITS:
+            raise ValueError(f"prefix_splits must be 1-{MAX_PREFIX_SPLITS}, got {prefix_splits}")
+        if accumulate and out.dtype != torch.float32:
+            raise ValueError(f"an accumulating decode adds into fp32 sums, got out of {out.dtype}")
+        self.layout = layer_layout(q, kv_cache, out)
+        b, hq, d = q.shape
+        _, _, bs, hkv, _ = kv_cache.shape
+        self.rows = b
+        if b == 0:
+            return
+        sms = sm_count(q)
+        hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
+        splits = splits or num_splits(b, hkv, hint, sms)
+        g = hq // hkv
+        # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
+        block_n = max(block_n, next_power_of_2(int(pool_size)))
+        m = max(16, next_power_of_2(g))
+        cascade = prefix_len is not None and not accumulate   # a hint: an accumulating decode reads every key
+        s_pre = n_pre = 0
+        if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
+            s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms, splits)
+            n_pre = cdiv(b * g, m) * s_pre
+        self.pre = split_output(q, s_pre, partials=True)[0] if cascade else None
+        # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
+        self.splits = 1 if accumulate else splits
+        self.partials = None
+        if self.splits > 1 or cascade:
+            self.partials, self.partial_strides = split_output(out, self.splits, partials=cascade)
+        plen = prefix_len if cascade else seq_lens
+        ordered = order is not None
+        self.grid = (hkv, n_pre + b, splits) if ordered else (n_pre + b, hkv, splits)
+        self.rows_args = (block_table, seq_lens)
+        self.after = (plen, self.pre, order if ordered else seq_lens, float(scale))
+        self.ints = (block_table.stride(0), g, n_pre, s_pre)
+        on = pdl(q)
+        self.consts = dict(M=m, CASCADE=cascade, D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size),
+                           RELU=bool(relu_pre), PREC="ieee" if q.dtype == torch.float32 else "tf32",
+                           ACCUMULATE=accumulate, ORDERED=ordered, PDL=on)
+        self.decode = KernelLaunch(_decode_kernel, self.grid, num_warps=num_warps, num_stages=num_stages,
+                                   launch_pdl=on)
+        self.lens = (seq_lens, plen, block_n, cascade)
+        self.sum = sum_splits_launch(out)
+
+    def __call__(self, q, kv_cache, sigma, out, k_scale=None, v_scale=None):
+        """This layer's decode into `out` (added, if the plan accumulates); returns `out`."""
+        if self.rows == 0:
+            return out
+        check_layer(self.layout, q, kv_cache, out)
+        sigma = sigma.float().contiguous()
+        ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
+        k_cache, v_cache, kv_strides, ptx = kv_operands(kv_cache, fp8)
+        dst, strides = (out, (out.stride(0), out.stride(1), 0)) if self.partials is None else \
+            (self.partials, self.partial_strides)
+        plen, pre, order, scale = self.after
+        sbt, g, n_pre, s_pre = self.ints
+        self.decode(
+            q, k_cache, v_cache, self.rows_args[0], self.rows_args[1], sigma, dst, plen,
+            dst if pre is None else pre, order, scale, q.stride(0), q.stride(1), sbt, *strides, *kv_strides,
+            g, n_pre, s_pre, ks, vs, FP8=fp8, PTX=ptx, **self.consts)
+        return out if self.partials is None else sum_splits(dst, out, self.splits, self.lens, pre, self.sum)
+
+
 def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre,
                          out, max_seq_len=None, splits=None, prefix_len=None, prefix_splits=None,
                          block_n=BLOCK_N, num_warps=4, num_stages=2,
@@ -190,46 +267,44 @@ def asynci_decode_triton(q, kv_cache, block_table, seq_lens, sigma, scale, pool_
     `max_seq_len`, a host upper bound of the lengths, sizes both grids (graph-safe).
     `seq_lens` and `prefix_len` must not be written by the kernel launched just before this call
     (copied in from the host, or filled earlier): with programmatic dependent launch the decode
-    and sum kernels read them before waiting for that kernel."""
-    check_decode_args(q, kv_cache, block_table, seq_lens, sigma, out, order)
-    if prefix_splits is not None and not 1 <= prefix_splits <= MAX_PREFIX_SPLITS:
-        raise ValueError(f"prefix_splits must be 1-{MAX_PREFIX_SPLITS}, got {prefix_splits}")
-    if accumulate and out.dtype != torch.float32:
-        raise ValueError(f"an accumulating decode adds into fp32 sums, got out of {out.dtype}")
-    b, hq, d = q.shape
-    _, _, bs, hkv, _ = kv_cache.shape
-    if b == 0:
-        return out
-    sms = sm_count(q)
-    hint = max_seq_len or block_table.shape[1] * bs  # a host upper bound: graph-safe
-    if splits is None:
-        splits = num_splits(b, hkv, hint, sms)
-    g = hq // hkv
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
-    block_n = max(block_n, next_power_of_2(int(pool_size)))
-    consts = dict(D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre), PREC=prec)
-    sigma = sigma.float().contiguous()
-    ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
-    kv = kv_operands(kv_cache, fp8)
-    k_cache, v_cache, kv_strides, ptx = kv
-    m = max(16, next_power_of_2(g))
-    cascade = prefix_len is not None and not accumulate   # a hint: an accumulating decode reads every key
-    s_pre = n_pre = 0
-    if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
-        s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms, splits)
-        n_pre = cdiv(b * g, m) * s_pre
-    pre = split_output(q, s_pre, partials=True)[0] if cascade else None
-    # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
-    dst, strides = split_output(out, 1 if accumulate else splits, partials=cascade)
-    plen = prefix_len if cascade else seq_lens
-    ordered = order is not None
-    _decode_kernel[(hkv, n_pre + b, splits) if ordered else (n_pre + b, hkv, splits)](
-        q, k_cache, v_cache, block_table, seq_lens, sigma, dst, plen, dst if pre is None else pre,
-        order if ordered else seq_lens, float(scale), q.stride(0), q.stride(1), block_table.stride(0), *strides,
-        *kv_strides, g, n_pre, s_pre, ks, vs, M=m, CASCADE=cascade, FP8=fp8, PTX=ptx, **consts,
-        num_warps=num_warps, num_stages=num_stages, ACCUMULATE=accumulate, ORDERED=ordered, **pdl_args(q))
-    return out if accumulate else sum_splits(dst, out, splits, (seq_lens, plen, block_n, cascade), pre)
+    and sum kernels read them before waiting for that kernel.
+    One call plans and launches; a caller with many layers of the same rows keeps the plan
+    (DecodeLaunch) and launches it a layer."""
+    plan = DecodeLaunch(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                        max_seq_len, splits, prefix_len, prefix_splits, block_n, num_warps, num_stages,
+                        accumulate, order)
+    return plan(q, kv_cache, sigma, out, k_scale, v_scale)
+
+
+def decode_launch(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                  max_seq_len=None, prefix_len=None, splits=None, accumulate=False, order=None):
+    """A step's decode as a layer's launch, `launch(q, kv_cache, sigma, out, k_scale, v_scale)`:
+    planned once (DecodeLaunch) where the Triton kernel serves; elsewhere the kernel or the
+    reference, called a layer with the step's rows. The arguments as asynci_decode's, the layer's
+    own (q, cache, sigma, out) the first layer's."""
+    fn = asynci_decode_ref
+    if q.is_cuda:
+        from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
+        fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
+    if fn is asynci_decode_triton:
+        return DecodeLaunch(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                            max_seq_len=max_seq_len, splits=splits, prefix_len=prefix_len, accumulate=accumulate,
+                            order=order)
+    return functools.partial(_unplanned, fn, (block_table, seq_lens), (scale, pool_size, relu_pre),
+                             dict(max_seq_len=max_seq_len, splits=splits), accumulate)
+
+
+def _unplanned(fn, rows, consts, options, accumulate, q, kv_cache, sigma, out, k_scale=None, v_scale=None):
+    """The reference's or the CUDA kernel's decode of one layer. They write: their output is added
+    where the step accumulates (the reference's in fp32, the CUDA kernel's in q's dtype). The
+    CUDA kernel reads no FP8 cache (cuda_ext.cuda_decode_supported): the scales go to the
+    reference only; it takes no split count."""
+    dst = torch.empty_like(out if fn is asynci_decode_ref else q) if accumulate else out
+    if fn is asynci_decode_ref:
+        fn(q, kv_cache, *rows, sigma, *consts, dst, k_scale=k_scale, v_scale=v_scale)
+    else:
+        fn(q, kv_cache, *rows, sigma, *consts, dst, **options)
+    return out.add_(dst) if accumulate else out
 
 
 def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
@@ -239,22 +314,7 @@ def asynci_decode(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, r
     `accumulate`, adds it into `out` (fp32 sums, see asynci_decode_triton).
     `prefix_len` and `order` are hints (shared leading blocks, the rows' order: see
     asynci_decode_triton): ignoring them is always correct, so the references and the CUDA
-    kernel do. The CUDA kernel reads no FP8 cache (cuda_ext.cuda_decode_supported), so the
-    scales go to Triton and the reference only."""
-    scales = dict(k_scale=k_scale, v_scale=v_scale)
-    fn = asynci_decode_ref
-    if q.is_cuda:
-        from asynct.ops import cuda_ext  # lazy: building the extension is only worth it on CUDA
-        fn = cuda_ext.pick_decode(q, kv_cache, pool_size)
-    if fn is asynci_decode_triton:
-        return fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
-                  max_seq_len=max_seq_len, prefix_len=prefix_len, splits=splits, accumulate=accumulate,
-                  order=order, **scales)
-    # the others write: their output is added (the reference's in fp32, the CUDA kernel's in q's dtype)
-    dst = torch.empty_like(out if fn is asynci_decode_ref else q) if accumulate else out
-    if fn is asynci_decode_ref:
-        fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, dst, **scales)
-    else:
-        fn(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, dst,
-           max_seq_len=max_seq_len, splits=splits)
-    return out.add_(dst) if accumulate else out
+    kernel do."""
+    launch = decode_launch(q, kv_cache, block_table, seq_lens, sigma, scale, pool_size, relu_pre, out,
+                           max_seq_len, prefix_len, splits, accumulate, order)
+    return launch(q, kv_cache, sigma, out, k_scale, v_scale)

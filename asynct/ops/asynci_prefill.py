@@ -15,9 +15,10 @@ ranges add (fp32, summed by asynci_common.sum_all_splits). A split recomputes th
 the P-1 scores left of its first key, as the decode kernel does."""
 import torch
 
-from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
-from asynct.ops.asynci_common import (apply_v_scale, fold_k_scale, kv_row_offsets, load_kv_rows, load_rows,
-                                      scale_args, sm_count, split_output, sum_all_splits)
+from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
+from asynct.ops.asynci_common import (apply_v_scale, check_layer, fold_k_scale, kv_row_offsets, layer_layout,
+                                      load_kv_rows, load_rows, scale_args, sm_count, split_output, sum_all_splits,
+                                      sum_all_splits_launch)
 # the plan, re-exported where benchmarks and tests have always found it
 from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, WIDE_CONFIG, _block_m,  # noqa: F401
                                             _slice_keys, key_config, plan_prefill, seqs_per_group, wide_fits)
@@ -184,45 +185,73 @@ def _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out):
         raise ValueError(f"out must be {tuple(q.shape)} with unit last stride")
 
 
+class PrefillLaunch:
+    """A prefill planned once for a step's chunks, launched by every layer (DecodeLaunch's
+    counterpart): checks, tile config, splits, grid and split partials follow the chunks, not
+    the layer. Tile sizes, warps, stages and splits default to `plan_prefill`'s (benchmarks and
+    tests pass their own; an explicit block_m means no splits unless `splits` says so)."""
+
+    def __init__(self, q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size, relu_pre,
+                 out, max_query_len, max_seq_len=None, block_m=None, block_n=None, num_warps=None,
+                 num_stages=None, splits=None):
+        _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
+        self.layout = layer_layout(q, kv_cache, out)
+        hq, d = q.shape[1:]
+        _, _, bs, hkv, _ = kv_cache.shape
+        b = seq_lens.shape[0]
+        self.empty = q.shape[0] == 0 or b == 0 or max_query_len <= 0
+        if self.empty:
+            return
+        g = hq // hkv
+        g_pad = next_power_of_2(g)
+        cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sm_count(q), pool_size,
+                                        wide_fits(q, kv_cache))
+        splits = splits or (plan_splits if block_m is None else 1)
+        if splits > MAX_SPLITS:
+            raise ValueError(f"{splits} key splits, more than the {MAX_SPLITS} the split sum is compiled for")
+        block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
+        if pool_size - 1 > block_n:   # the band products reach back one key tile only
+            raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
+        self.splits = splits
+        self.partials = split_output(out, splits) if splits > 1 else None
+        q_tiles = cdiv(max_query_len, block_m // g_pad)
+        group = seqs_per_group(b, q_tiles, max(max_seq_len or 0, max_query_len) * hkv * d * 2 * kv_cache.element_size())
+        self.grid = (group, hkv * splits, cdiv(b, group) * q_tiles)
+        self.rows_args = (block_table, query_start_loc, seq_lens)
+        self.ints = (float(scale), block_table.stride(0), g, splits, b, q_tiles)
+        self.consts = dict(D=d, BS=bs, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size),
+                           RELU=bool(relu_pre), PREC="ieee" if q.dtype == torch.float32 else "tf32")
+        self.prefill = KernelLaunch(_prefill_kernel, self.grid, num_warps=num_warps or cfg.num_warps,
+                                    num_stages=num_stages or cfg.num_stages)
+        self.sum = sum_all_splits_launch(out) if splits > 1 else None
+
+    def __call__(self, q, kv_cache, sigma, out, k_scale=None, v_scale=None):
+        """This layer's prefill into `out`; returns `out`."""
+        if self.empty:
+            return out
+        check_layer(self.layout, q, kv_cache, out)
+        dst, strides = self.partials or (out, (out.stride(0), out.stride(1), 0))
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        sigma = sigma.float().contiguous()
+        ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
+        scale, sbt, g, splits, b, q_tiles = self.ints
+        block_table, query_start_loc, seq_lens = self.rows_args
+        self.prefill(
+            q, k_cache, v_cache, block_table, query_start_loc, seq_lens, sigma, dst, scale, q.stride(0), q.stride(1),
+            *strides, sbt, *k_cache.stride()[:3], g, splits, b, q_tiles, ks, vs, FP8=fp8, **self.consts)
+        # launched plainly: with programmatic dependent launch the split sum's programs came in
+        # early and the split plans ran 1.07-1.14x slower (2K tokens: 74.3 against 65.4 us)
+        return sum_all_splits(dst, out, splits, MAX_SPLITS, query_start_loc, self.sum)
+
+
 def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                           pool_size, relu_pre, out, max_query_len, max_seq_len=None,
                           block_m=None, block_n=None, num_warps=None, num_stages=None, splits=None,
                           k_scale=None, v_scale=None):
-    """Tile sizes, warps, stages and splits default to `plan_prefill`'s (benchmarks and tests
-    pass their own; an explicit block_m means no splits unless `splits` says so)."""
-    _check(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, out)
-    hq, d = q.shape[1:]
-    _, _, bs, hkv, _ = kv_cache.shape
-    b = seq_lens.shape[0]
-    if q.shape[0] == 0 or b == 0 or max_query_len <= 0:
-        return out
-    g = hq // hkv
-    g_pad = next_power_of_2(g)
-    sms = sm_count(q)
-    cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sms, pool_size, wide_fits(q, kv_cache))
-    splits = splits or (plan_splits if block_m is None else 1)
-    if splits > MAX_SPLITS:
-        raise ValueError(f"{splits} key splits, more than the {MAX_SPLITS} the split sum is compiled for")
-    block_m, block_n = _block_m(block_m or cfg.block_m, g_pad), block_n or cfg.block_n
-    if pool_size - 1 > block_n:   # the band products reach back one key tile only
-        raise ValueError(f"pool_size {pool_size} is above what the prefill kernel supports ({block_n + 1})")
-    dst, strides = split_output(out, splits)
-    q_tiles = cdiv(max_query_len, block_m // g_pad)
-    group = seqs_per_group(b, q_tiles, max(max_seq_len or 0, max_query_len) * hkv * d * 2 * kv_cache.element_size())
-    grid = (group, hkv * splits, cdiv(b, group) * q_tiles)
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    sigma = sigma.float().contiguous()
-    ks, vs, fp8 = scale_args(kv_cache, k_scale, v_scale, sigma)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_table, query_start_loc, seq_lens,
-        sigma, dst, float(scale), q.stride(0), q.stride(1), *strides,
-        block_table.stride(0), *k_cache.stride()[:3], g, splits, b, q_tiles, ks, vs, FP8=fp8, D=d, BS=bs,
-        G_PAD=g_pad, BLOCK_M=block_m, BLOCK_N=block_n, P=int(pool_size), RELU=bool(relu_pre),
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps or cfg.num_warps,
-        num_stages=num_stages or cfg.num_stages)
-    # launched plainly: with programmatic dependent launch the split sum's programs came in
-    # early and the split plans ran 1.07-1.14x slower (2K tokens: 74.3 against 65.4 us)
-    return sum_all_splits(dst, out, splits, MAX_SPLITS, query_start_loc)
+    """Plans (PrefillLaunch) and launches one layer's prefill."""
+    plan = PrefillLaunch(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size, relu_pre,
+                         out, max_query_len, max_seq_len, block_m, block_n, num_warps, num_stages, splits)
+    return plan(q, kv_cache, sigma, out, k_scale, v_scale)
 
 
 def prefill_variants(pool_size=1, wide=False):
@@ -245,9 +274,21 @@ def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, s
     return out
 
 
+def prefill_launch(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size, relu_pre,
+                   out, max_query_len, max_seq_len):
+    """A step's prefill as a layer's launch (decode_launch's counterpart): planned once where
+    the Triton kernel serves, else the reference called a layer with the step's chunks."""
+    if q.is_cuda and triton is not None:
+        return PrefillLaunch(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
+                             relu_pre, out, max_query_len, max_seq_len)
+    return lambda q, kv_cache, sigma, out, k_scale=None, v_scale=None: asynci_prefill_ref(
+        q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size, relu_pre, out,
+        max_query_len, max_seq_len, k_scale=k_scale, v_scale=v_scale)
+
+
 def asynci_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
                    relu_pre, out, max_query_len, max_seq_len, k_scale=None, v_scale=None):
     """Writes AsyncI of every query token of the chunks into `out` [T, Hq, D] and returns it."""
-    fn = asynci_prefill_triton if q.is_cuda and triton is not None else asynci_prefill_ref
-    return fn(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
-              relu_pre, out, max_query_len, max_seq_len, k_scale=k_scale, v_scale=v_scale)
+    launch = prefill_launch(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
+                            relu_pre, out, max_query_len, max_seq_len)
+    return launch(q, kv_cache, sigma, out, k_scale, v_scale)
