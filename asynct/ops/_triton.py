@@ -85,17 +85,25 @@ class KernelLaunch:
     def __init__(self, fn, grid, **options):
         self.fn, self.grid, self.options = fn, tuple(grid) + (1,) * (3 - len(grid)), options
         self.names = getattr(fn, "arg_names", ())
-        self.runner = self.spec = None
+        self.runner = self.spec = self.first = None
 
     def __call__(self, *args, **params):
         values = args + tuple(params[n] for n in self.names[len(args):])
-        spec = tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else a for a in values)
-        if self.runner is not None and spec == self.spec:
-            self.runner(*values)
-            return
+        if self.runner is not None:
+            # the JIT call's specialisation, worked out only once a second call comes: a launch
+            # made once (an unplanned op call) pays nothing for it
+            self.spec = self.spec or _specialisation(self.first)
+            if _specialisation(values) == self.spec:
+                self.runner(*values)
+                return
         kernel = self.fn[self.grid](*args, **params, **self.options)
         # the interpreter (TRITON_INTERPRET=1) returns no compiled kernel: always through the JIT
-        self.runner, self.spec = (kernel[self.grid], spec) if hasattr(kernel, "packed_metadata") else (None, None)
+        compiled = hasattr(kernel, "packed_metadata")
+        self.runner, self.first, self.spec = (kernel[self.grid] if compiled else None), values, None
+
+
+def _specialisation(values) -> tuple:
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, _Tensor) else a for a in values)
 
 
 @jit
