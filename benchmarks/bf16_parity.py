@@ -266,8 +266,22 @@ def smoke_kernels():
             (ops, "qk_norm_rope", ops.qk_norm_rope_triton), (ops, "reglu", ops.reglu_triton),
             (attention_base, "write_kv_cache", ops.write_kv_cache_triton),
             (rope, "write_kv_cache", ops.write_kv_cache_triton),    # the q/k kernel's store off CUDA
-            (triton_backend, "asynci_prefill", _prefill_triton),
-            (triton_backend, "asynci_decode", ops.asynci_decode_triton)]
+            (triton_backend, "prefill_launch", as_launch(_prefill_triton)),
+            (triton_backend, "decode_launch", as_launch(ops.asynci_decode_triton))]
+
+
+def as_launch(fn):
+    """A stand-in with asynci_decode's (asynci_prefill's) signature as the Triton backend's launch
+    factory (decode_launch, prefill_launch): called a layer, with the step's rows and the layer's
+    sigma (5th argument from the end) and output (last)."""
+    def factory(q, kv_cache, *args, **kw):
+        def launch(q, kv_cache, sigma, out, k_scale=None, v_scale=None):
+            a = list(args)
+            a[-5], a[-1] = sigma, out
+            return fn(q, kv_cache, *a, **kw, k_scale=k_scale, v_scale=v_scale)
+        return launch
+    factory.fn = fn
+    return factory
 
 
 def _prefill_triton(*args, **kwargs):   # asynci_prefill's signature, always the kernel
@@ -295,11 +309,11 @@ def variants(attribution, smoke=False):
     # leaves every step's write to the backend
     out["triton write_kv=ref"] = (eager, [(attention_base, "write_kv_cache", kv_ref),
                                           (engine_model.Attention, "cache_target", lambda self, slot_mapping=None: {})])
-    out["triton prefill=torch-like"] = (tri, [(triton_backend, "asynci_prefill", prefill_torchlike)])
+    out["triton prefill=torch-like"] = (tri, [(triton_backend, "prefill_launch", as_launch(prefill_torchlike))])
     # the stand-ins read lengths on the host: no CUDA graphs for decode swaps
-    out["triton decode=torch-like"] = (eager, [(triton_backend, "asynci_decode", decode_torchlike)])
-    out["triton attention=fp32"] = (eager, [(triton_backend, "asynci_prefill", prefill_fp32),
-                                            (triton_backend, "asynci_decode", decode_fp32)])
+    out["triton decode=torch-like"] = (eager, [(triton_backend, "decode_launch", as_launch(decode_torchlike))])
+    out["triton attention=fp32"] = (eager, [(triton_backend, "prefill_launch", as_launch(prefill_fp32)),
+                                            (triton_backend, "decode_launch", as_launch(decode_fp32))])
     out["torch scores=fp32"] = (dict(attention_backend="torch"),
                                 [(torch_backend, "asynci_attention", attention_fp32_scores)])
     return out
@@ -416,10 +430,10 @@ def run_shape(name, overrides, seeds, attribution, dtype, device, smoke, noise=T
                 extra = []
                 if vname == "triton" and seed == 0:
                     cur = dict(((m, n), f) for m, n, f in patches)
-                    pre = cur.get((triton_backend, "asynci_prefill"), ops.asynci_prefill)
-                    dec = cur.get((triton_backend, "asynci_decode"), ops.asynci_decode)
-                    extra = [(triton_backend, "asynci_prefill", rec.wrap("prefill", pre)),
-                             (triton_backend, "asynci_decode", rec.wrap("decode", dec))]
+                    pre = getattr(cur.get((triton_backend, "prefill_launch")), "fn", ops.asynci_prefill)
+                    dec = getattr(cur.get((triton_backend, "decode_launch")), "fn", ops.asynci_decode)
+                    extra = [(triton_backend, "prefill_launch", as_launch(rec.wrap("prefill", pre))),
+                             (triton_backend, "decode_launch", as_launch(rec.wrap("decode", dec)))]
                 with patched(patches + extra):
                     got = run_engine(path, dtype, waves, device, **kwargs)
                 e = errors(got, oracle)

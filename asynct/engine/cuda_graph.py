@@ -88,6 +88,10 @@ class CudaGraphRunner:
         for bs in reversed(self.sizes):
             set_context(self.backend.prepare_for_capture(bs))
             self.forward(bs)   # warm-up
+            # the capture's own metadata: the warm-up's keeps launches planned outside the graph's
+            # memory pool (split partials, triton_backend's `launches`), which the graph would
+            # go on reading and writing after they are freed
+            set_context(self.backend.prepare_for_capture(bs))
             self.graphs[bs] = capture_graph(self, lambda bs=bs: self.forward(bs))
             reset_context()
         torch.cuda.synchronize()
