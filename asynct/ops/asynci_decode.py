@@ -208,7 +208,7 @@ class DecodeLaunch:
         if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
             s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms, splits)
             n_pre = cdiv(b * g, m) * s_pre
-        self.pre = split_output(q, s_pre, partials=True)[0] if cascade else None
+        pre = split_output(q, s_pre, partials=True)[0] if cascade else None
         # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
         self.splits = 1 if accumulate else splits
         self.partials = None
@@ -218,7 +218,7 @@ class DecodeLaunch:
         ordered = order is not None
         self.grid = (hkv, n_pre + b, splits) if ordered else (n_pre + b, hkv, splits)
         self.rows_args = (block_table, seq_lens)
-        self.after = (plen, self.pre, order if ordered else seq_lens, float(scale))
+        self.after = (plen, pre, order if ordered else seq_lens, float(scale))
         self.ints = (block_table.stride(0), g, n_pre, s_pre)
         on = pdl(q)
         self.consts = dict(M=m, CASCADE=cascade, D=d, BS=bs, BLOCK_N=block_n, P=int(pool_size),
@@ -227,7 +227,7 @@ class DecodeLaunch:
         self.decode = KernelLaunch(_decode_kernel, self.grid, num_warps=num_warps, num_stages=num_stages,
                                    launch_pdl=on)
         self.lens = (seq_lens, plen, block_n, cascade)
-        self.sum = sum_splits_launch(out)
+        self.sum = None if self.partials is None else sum_splits_launch(out)
 
     def __call__(self, q, kv_cache, sigma, out, k_scale=None, v_scale=None):
         """This layer's decode into `out` (added, if the plan accumulates); returns `out`."""
@@ -242,7 +242,7 @@ class DecodeLaunch:
         plen, pre, order, scale = self.after
         sbt, g, n_pre, s_pre = self.ints
         self.decode(
-            q, k_cache, v_cache, self.rows_args[0], self.rows_args[1], sigma, dst, plen,
+            q, k_cache, v_cache, *self.rows_args, sigma, dst, plen,
             dst if pre is None else pre, order, scale, q.stride(0), q.stride(1), sbt, *strides, *kv_strides,
             g, n_pre, s_pre, ks, vs, FP8=fp8, PTX=ptx, **self.consts)
         return out if self.partials is None else sum_splits(dst, out, self.splits, self.lens, pre, self.sum)
