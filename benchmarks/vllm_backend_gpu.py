@@ -14,7 +14,10 @@ Columns: max|err| and rel (of the largest output) of the kernel path against the
 "vs asynct" the largest difference from the engine's output; ratio = plugin ms / asynct ms
 (one layer's forward: this step's K/V write plus attention); "batch order ms" the plugin without
 its decode order (rows longest first from 64 decodes, as the engine takes them), whose output
-must be bit-identical. Exits 1 if any rel > --tol or the order changes a bit.
+must be bit-identical; "host ms/step" the host time to build a step's metadata and launch
+--layers layers' eager forwards (device idle at the start), the cost a vLLM step pays in Python
+between its piecewise graphs. (These columns' functions use only `attend`'s public calls, so the
+script run over an older tree's `asynct` gives that tree's numbers as the peer.) Exits 1 if any rel > --tol or the order changes a bit.
 """
 import argparse
 import os
@@ -133,7 +136,24 @@ def timed(fn, iters, device, graph=True):
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
-def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iters, gen):
+def host_step_ms(cm, s: Shape, x, cache, params, path, layers, device, reps=7):
+    """Host milliseconds to build a step's metadata and launch `layers` layers' eager forwards
+    (vLLM's piecewise graphs run attention so, a layer at a time), median of `reps` steps, each
+    started on an idle device. The layers share one cache: the host's work is the same."""
+    order, times = attend.DecodeOrder(cm.num_reqs, device), []
+    out = torch.zeros_like(x["q"])
+    for _ in range(reps + 1):   # the first compiles what the graph timings did not
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        md = attend.build_metadata(cm, path, s.block_size, s.hq, order=order)
+        for _ in range(layers):
+            attend.forward(x["q"], x["k"], x["v"], cache, md, params, out)
+        times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[reps // 2] * 1e3
+
+
+def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iters, gen, layers):
     cm, engine_step, x, cache = make_step(q_lens, ctx_lens, s, dtype, device, layout, gen)
     sigma = (torch.rand(s.hq, generator=gen) + 0.5).to(device)
     params = attend.AsyncIParams(sigma, s.d ** -0.5, 3, True)
@@ -159,6 +179,7 @@ def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iter
     ms["asynct"] = timed(lambda: impl.forward(x["q"], x["k"], x["v"], engine_cache, engine_md,
                                               engine_out), iters, device)
 
+    host = host_step_ms(cm, s, x, cache.clone(), params, kernel_path, layers, device)
     ref = outs["torch"].float()
     err = (outs[kernel_path].float() - ref).abs().max().item()
     rel = err / max(ref.abs().max().item(), 1e-6)
@@ -166,7 +187,7 @@ def run_case(name, q_lens, ctx_lens, s, dtype, device, layout, kernel_path, iter
     order_err = (outs["batch order"].float() - outs[kernel_path].float()).abs().max().item()
     return dict(case=name, seqs=len(q_lens), tokens=cm.num_actual_tokens, err=err, rel=rel,
                 engine_err=engine_err, order_err=order_err, plugin=ms[kernel_path], asynct=ms["asynct"],
-                torch=ms["torch"], unordered=ms["batch order"])
+                torch=ms["torch"], unordered=ms["batch order"], host=host)
 
 
 def patch_interpreter_scalars():
@@ -187,6 +208,7 @@ def main():
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--layout", choices=("LBNHC", "LBHNC"), default="LBNHC",
                     help="vLLM's KVCacheLayout of the cache (LBNHC: vLLM's default)")
+    ap.add_argument("--layers", type=int, default=35, help="layers a step, for the host time (bench-0.6b: 35)")
     ap.add_argument("--tol", type=float, default=2e-2, help="max relative error, bf16")
     a = ap.parse_args()
     if a.smoke:
@@ -199,21 +221,23 @@ def main():
         device, dtype, shape, iters = torch.device("cuda"), torch.bfloat16, GPU_SHAPE, a.iters or 50
         kernel_path = "ops"  # what the plugin's builder picks on CUDA
     gen = torch.Generator().manual_seed(0)
-    rows = [run_case(name, q, c, shape, dtype, device, a.layout, kernel_path, iters, gen)
+    rows = [run_case(name, q, c, shape, dtype, device, a.layout, kernel_path, iters, gen, a.layers)
             for name, (q, c) in cases(a.smoke, gen).items()]
 
     print(f"\nvLLM plugin attention ({kernel_path} path, {a.layout} cache) vs its torch path "
           f"and vs asynct's engine attention; {dtype}, Hq={shape.hq} Hkv={shape.hkv} "
           f"D={shape.d} block={shape.block_size}, {iters} iters, {device}")
     print(f"{'case':8} {'seqs':>5} {'tokens':>6} {'max|err|':>9} {'rel':>8} {'vs asynct':>9} "
-          f"{'plugin ms':>9} {'asynct ms':>9} {'ratio':>6} {'torch ms':>9} {'batch order ms':>14}  ok")
+          f"{'plugin ms':>9} {'asynct ms':>9} {'ratio':>6} {'torch ms':>9} {'batch order ms':>14} "
+          f"{'host ms/step':>12}  ok")
     ok = True
     for r in rows:
         good = r["rel"] <= a.tol and r["order_err"] == 0    # the order moves rows, not sums
         ok &= good
         print(f"{r['case']:8} {r['seqs']:5d} {r['tokens']:6d} {r['err']:9.2e} {r['rel']:8.1e} "
               f"{r['engine_err']:9.2e} {r['plugin']:9.3f} {r['asynct']:9.3f} "
-              f"{r['plugin'] / r['asynct']:6.2f} {r['torch']:9.3f} {r['unordered']:14.3f}  {'yes' if good else 'NO'}")
+              f"{r['plugin'] / r['asynct']:6.2f} {r['torch']:9.3f} {r['unordered']:14.3f} {r['host']:12.2f}  "
+              f"{'yes' if good else 'NO'}")
     if a.smoke:
         print("smoke: interpreted kernels against CPU references; the times measure nothing")
     sys.exit(0 if ok else 1)

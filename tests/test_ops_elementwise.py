@@ -164,6 +164,16 @@ def test_kernel_launch_goes_to_the_compiled_kernel_only_where_arguments_speciali
     assert log[0][1:] == ((4, 1, 1), (buf, 7), dict(BLOCK=16, num_warps=2))
     assert log[1][1] == 1 and log[1][3][1:] == (7, 16)     # the values in order, constexprs too
     assert log[3][1] == 3                                  # the kernel of the latest JIT call
+    # an argument of another type where the first call had a tensor, and the reverse: a tensor
+    # is never compared with a number (its == would give a tensor)
+    log.clear()
+    launch(buf, 7, BLOCK=16)
+    launch(None, 7, BLOCK=16)
+    launch(buf, 7, BLOCK=16)
+    launch(buf, torch.ones(3), BLOCK=16)
+    launch(buf, 7, BLOCK=16)
+    launch(buf[4:], 7, BLOCK=16)
+    assert [e[0] for e in log] == ["jit", "jit", "jit", "jit", "jit", "compiled"]
 
 
 def test_rope_cache_matches_formula():

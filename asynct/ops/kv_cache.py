@@ -8,7 +8,7 @@ An FP8 (e4m3) cache stores x / scale with static per-(KV head, channel) scales [
 of becoming NaN, and readers multiply the scale back in registers."""
 import torch
 
-from asynct.ops._triton import jit as _jit, cdiv, next_power_of_2, pdl_args, pow2, tl, triton, wait_for_prior
+from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pdl, pow2, tl, triton, wait_for_prior
 
 
 def check_kv_cache(kv_cache):
@@ -97,25 +97,47 @@ def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr, T, 
     store_cache_rows(vc_ptr, vs_ptr, slot, h, d, vv, mask, h < H, s_blk, s_tok, s_head, BS, D, FP8)
 
 
+class KVWriteLaunch:
+    """A step's K/V write planned once for its tokens (grid, tile, options) and launched by every
+    layer with its own k, v and cache, shaped and strided as the plan's: the vLLM plugin writes
+    each layer's K/V in its eager attention, where Triton's JIT cost ~45 us a launch
+    (KernelLaunch)."""
+
+    def __init__(self, k, kv_cache, slot_mapping):
+        t, h, d = k.shape
+        if not pow2(d):
+            raise ValueError(f"head_dim must be a power of two, got {d}")
+        self.slot_mapping, self.tokens = slot_mapping, t
+        h_pad = next_power_of_2(h)
+        block_t = max(1, 4096 // (h_pad * d))
+        on = pdl(k)
+        self.consts = dict(D=d, BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t, FP8=is_fp8(kv_cache.dtype), PDL=on)
+        self.kernel = KernelLaunch(_write_kv_kernel, (cdiv(t, block_t),), num_warps=4, launch_pdl=on)
+
+    def __call__(self, k, v, kv_cache, k_scale=None, v_scale=None):
+        check_kv_write(k, v, kv_cache, self.slot_mapping, k_scale, v_scale)
+        if self.tokens == 0:
+            return
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        scales = (k_scale, v_scale) if self.consts["FP8"] else (self.slot_mapping,) * 2
+        self.kernel(k, v, k_cache, v_cache, self.slot_mapping, *scales, self.tokens, k.stride(0), k.stride(1),
+                    v.stride(0), v.stride(1), *k_cache.stride()[:3], k.shape[1], **self.consts)
+
+
 def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
     check_kv_write(k, v, kv_cache, slot_mapping, k_scale, v_scale)
-    t, h, d = k.shape
-    if not pow2(d):
-        raise ValueError(f"head_dim must be a power of two, got {d}")
-    if t == 0:
-        return
-    h_pad = next_power_of_2(h)
-    block_t = max(1, 4096 // (h_pad * d))
-    k_cache, v_cache = kv_cache[0], kv_cache[1]
-    fp8 = is_fp8(kv_cache.dtype)
-    _write_kv_kernel[(cdiv(t, block_t),)](
-        k, v, k_cache, v_cache, slot_mapping, *((k_scale, v_scale) if fp8 else (slot_mapping,) * 2), t,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], h, D=d,
-        BS=kv_cache.shape[2], H_PAD=h_pad, BLOCK_T=block_t, FP8=fp8, num_warps=4, **pdl_args(k))
+    KVWriteLaunch(k, kv_cache, slot_mapping)(k, v, kv_cache, k_scale, v_scale)
+
+
+def write_kv_launch(k, kv_cache, slot_mapping):
+    """A step's K/V write as a layer's launch, `launch(k, v, kv_cache, k_scale, v_scale)`:
+    planned once (KVWriteLaunch) where the Triton kernel serves, else the reference."""
+    if kv_cache.is_cuda and triton is not None and pow2(kv_cache.shape[-1]):
+        return KVWriteLaunch(k, kv_cache, slot_mapping)
+    return lambda k, v, kv_cache, k_scale=None, v_scale=None: write_kv_cache_ref(k, v, kv_cache, slot_mapping,
+                                                                                   k_scale, v_scale)
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
-    d = kv_cache.shape[-1]      # head sizes not a power of two (the torch backend) take the reference
-    fast = kv_cache.is_cuda and triton is not None and pow2(d)
-    fn = write_kv_cache_triton if fast else write_kv_cache_ref
-    fn(k, v, kv_cache, slot_mapping, k_scale, v_scale)
+    # head sizes not a power of two (the torch backend) take the reference
+    write_kv_launch(k, kv_cache, slot_mapping)(k, v, kv_cache, k_scale, v_scale)

