@@ -168,21 +168,3 @@ def test_the_profiled_peak_holds_a_step_scoring_every_prompt_position(tmp_path, 
     outs, used = peak_of(lambda: llm.generate([{"prompt_token_ids": prompt}], scored, use_tqdm=False))
     assert len(outs[0].prompt_logprobs) == 4000
     assert used > 20 * 2**20 and profiled >= used, (profiled, used)
-
-
-@gpu
-def test_the_engine_holds_its_activation_budget_and_a_first_run_grows_no_large_segment(tmp_path, monkeypatch):
-    """After start-up the caching allocator keeps the profiled activation peak (the user's share
-    allows it here): a first run's steps, prompts of 1,000-3,000 tokens beside decodes, cut their
-    large tensors from it and ask cudaMalloc for no new large segment (such growth in a run's
-    first mixed steps had their launch wait for the device)."""
-    llm, profiled = profiled_engine(tmp_path, monkeypatch, max_num_seqs=64, max_num_batched_tokens=4096)
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_reserved() - torch.cuda.memory_allocated() >= profiled
-    segments = torch.cuda.memory_stats()["segment.large_pool.allocated"]
-    gen = torch.Generator().manual_seed(1)
-    prompts = [{"prompt_token_ids": torch.randint(0, 65536, (n,), generator=gen).tolist()}
-               for n in (1000, 3000, 1500, 2500, 2000)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [8] * 5
-    assert torch.cuda.memory_stats()["segment.large_pool.allocated"] == segments

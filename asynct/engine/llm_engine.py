@@ -13,7 +13,6 @@ from asynct.engine.engine_args import EngineArgs, resolve_device, resolve_dtype
 from asynct.engine.generation_config import extra_eos_ids
 from asynct.engine.inputs import check_bad_words, check_prompt, check_stop_strings, tokenize, truncate_prompt
 from asynct.engine.model_runner import LaunchedStep, ModelRunner
-from asynct.engine.runner_startup import ActivationBudget
 from asynct.engine.outputs import RequestOutput
 from asynct.engine.request_failure import RequestFailureMixin
 from asynct.engine.sampler import eos_ids
@@ -128,7 +127,6 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
             activations = self.runner.profile_activation_memory()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - total * (1 - a.gpu_memory_utilization) - activations
-            self.runner.activation_budget = ActivationBudget(activations, total * (1 - a.gpu_memory_utilization))
         else:
             budget = a.kv_cache_memory
         blocks = int(budget // self.runner.block_bytes)

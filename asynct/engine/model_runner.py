@@ -51,7 +51,6 @@ class ModelRunner(RunnerStartup):
         self.model.eval()
         self.kv_cache = None
         self.graphs = self.piecewise = None
-        self.activation_budget = None    # set by the engine's memory profile (hold_activation_memory)
         self.lazy_decode_graphs, self.decode_graphs_pending = lazy_decode_graphs, False
         graphs_possible = self.device.type == "cuda" and self.backend.supports_cuda_graphs
         self.cudagraph_mode = cudagraph_mode if graphs_possible else "none"

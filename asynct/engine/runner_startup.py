@@ -4,7 +4,6 @@ captures. ModelRunner (model_runner.py) is the step half."""
 import logging
 import os
 import time
-from typing import NamedTuple
 
 import torch
 
@@ -17,11 +16,6 @@ from asynct.ops.argmax import warmup_argmax
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
-
-
-class ActivationBudget(NamedTuple):
-    nbytes: int         # the profiled activation peak the KV cache left room for
-    kept_free: float    # device bytes the user keeps back (1 - gpu_memory_utilization)
 
 # the warm-up's last forward: just past the decode-sized fused linears (a cache smaller than
 # this can never hold such a step, so the warm-up stops at its size)
@@ -83,24 +77,6 @@ class RunnerStartup:
         if capture and self.cudagraph_mode == "full_and_piecewise":
             self.piecewise = PiecewiseGraphRunner(self, self.max_num_batched_tokens)
         self.capture_seconds["piecewise_graphs"] = time.perf_counter() - t0
-        if capture:
-            self.hold_activation_memory()
-
-    def hold_activation_memory(self):
-        """Allocates the activation budget once and frees it, so that the caching allocator keeps
-        it: a step's eager tensors (attention's split partials, logits, sampling rows) are cut
-        from that block. Left to grow by cudaMalloc, the allocator grew in the first mixed steps
-        of a run, whose launches then took as long as their GPU time (H100, the throughput
-        workload: ~21 ms against 5-9 once grown, benchmarks/RESULTS.md). Within the budget the
-        profile gave and the memory the user lets the engine have; after every capture (each
-        empties the cache)."""
-        budget = self.activation_budget
-        if budget is None or self.device.type != "cuda":
-            return
-        free, _ = torch.cuda.mem_get_info(self.device)
-        nbytes = int(min(budget.nbytes, free - budget.kept_free))
-        if nbytes >= 2**20:
-            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def capture_decode_graphs(self):
         """At start-up, or (lazy_decode_graphs) before the first decode-only step. Capture writes
@@ -114,8 +90,6 @@ class RunnerStartup:
                 raise
             log.warning("capturing the decode graphs failed; decode steps run eagerly", exc_info=True)
         self.capture_seconds["decode_graphs"] = time.perf_counter() - t0
-        if self.lazy_decode_graphs:     # mid-run: the capture emptied the allocator's cache
-            self.hold_activation_memory()
 
     def _compile_ahead(self):
         """Compiles every kernel of the warm-up at once, in parallel (a fresh machine has no
