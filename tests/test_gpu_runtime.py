@@ -255,3 +255,38 @@ def test_lazy_decode_graphs_wait_for_a_decode_and_change_no_token(gqa_ckpt):
         assert llm.llm_engine.startup_seconds["compile"] > 0     # the compile-ahead: its own part of start-up
         del llm, runner
     assert outs[True] == outs[False]
+
+
+def spy_logit_rows(monkeypatch) -> list:
+    """Records the row count of every eager LM-head call (a replayed graph makes none)."""
+    from asynct.model.engine_model import AsyncTEngineModel
+    rows, real = [], AsyncTEngineModel.compute_logits
+
+    def spy(self, hidden, out=None):
+        rows.append(hidden.shape[0])
+        return real(self, hidden, out)
+    monkeypatch.setattr(AsyncTEngineModel, "compute_logits", spy)
+    return rows
+
+
+def test_the_lm_head_warm_up_takes_every_row_count_up_to_max_num_seqs(tiny_ckpt, monkeypatch):
+    runner = LLM(tiny_ckpt, device="cpu", max_num_seqs=7, num_kv_blocks=64).llm_engine.runner
+    rows = spy_logit_rows(monkeypatch)
+    runner.warmup_logits()
+    assert rows == list(range(1, 8))
+
+
+@gpu
+def test_every_eager_lm_head_row_count_of_a_run_was_launched_at_start_up(gqa_ckpt, monkeypatch):
+    """cuBLAS picks the LM head's kernel by its row count and CUDA loads a kernel at its first
+    launch, waiting for the device: the first mixed steps of a run launched in their GPU time.
+    The start-up launches every count a step's eager sampling or prompt logprobs hand it."""
+    rows = spy_logit_rows(monkeypatch)
+    llm = LLM(gqa_ckpt, max_num_seqs=48, max_num_batched_tokens=512, gpu_memory_utilization=0.3)
+    warm, used = set(rows), rows.clear() or rows
+    gen = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 2000, (int(n),), generator=gen).tolist()}
+               for n in torch.randint(20, 300, (60,), generator=gen)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    llm.generate(prompts[:3], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)
+    assert used and set(used) <= warm, sorted(set(used) - warm)

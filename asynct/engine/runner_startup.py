@@ -69,6 +69,7 @@ class RunnerStartup:
             layer.attn.kv_cache = self.kv_cache[i]
         if capture and self.device.type == "cuda":
             self._warmup()
+            self.warmup_logits()
         self.capture_seconds = {"decode_graphs": 0.0, "piecewise_graphs": 0.0}
         self.decode_graphs_pending = capture and self.cudagraph_mode != "none"
         if self.decode_graphs_pending and not self.lazy_decode_graphs:
@@ -123,6 +124,18 @@ class RunnerStartup:
         warmup_penalties(self.config.vocab_size, self.device)
         warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def warmup_logits(self):
+        """The LM head at every row count an eager step may give it: a mixed step samples 1 to
+        max_num_seqs rows, prompt logprobs score slices of as many. cuBLAS picks its kernel by
+        the count and CUDA loads a kernel at its first launch, where the host waited for the
+        device: a process's first throughput run launched its mixed steps in their GPU time (H100:
+        ~21 ms, 9 of it in that matmul, against 5-9 ms in a second run; benchmarks/RESULTS.md).
+        The decode graphs' counts load at their capture. ~256 matmuls: tens of ms."""
+        hidden = torch.zeros(self.max_num_seqs, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(1, self.max_num_seqs + 1):
+            self.model.compute_logits(hidden[:rows])
 
     def profile_step(self) -> StepInputs:
         """The largest prefill step: the token budget as prompts of at most max_model_len tokens
