@@ -269,11 +269,18 @@ def spy_logit_rows(monkeypatch) -> list:
     return rows
 
 
-def test_the_lm_head_warm_up_takes_every_row_count_up_to_max_num_seqs(tiny_ckpt, monkeypatch):
+def test_the_lm_head_warm_up_takes_every_row_count_a_step_can_give_it(tiny_ckpt, monkeypatch):
+    """Every count from a step's most rows (max_num_seqs, or the token budget where smaller) down
+    to one: largest first, so that each count's logits fit the first one's freed block."""
     runner = LLM(tiny_ckpt, device="cpu", max_num_seqs=7, num_kv_blocks=64).llm_engine.runner
     rows = spy_logit_rows(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     runner.warmup_logits()
-    assert rows == list(range(1, 8))
+    assert rows == list(range(7, 0, -1))
+    rows.clear()
+    runner.max_num_batched_tokens = 5
+    runner.warmup_logits()
+    assert rows == list(range(5, 0, -1))
 
 
 @gpu

@@ -281,6 +281,28 @@ def test_write_kv_cache(bs):
     assert torch.equal(c3, c1)
 
 
+def test_a_planned_kv_write_serves_layers_of_its_cache_layout_only():
+    """KVWriteLaunch plans a step's write from the first layer's cache (block size, heads, head
+    size, dtype): a later layer's own k, v and cache land right; a cache of another layout is
+    refused, not written with the plan's constants; a malformed k is named as such."""
+    from asynct.ops.kv_cache import KVWriteLaunch
+    gen = torch.Generator().manual_seed(9)
+    t, hkv, d, nblk, bs = 6, 2, 16, 4, 4
+    slots = torch.randperm(nblk * bs, generator=gen)[:t].to(DEV)
+    caches = [torch.randn(2, nblk, bs, hkv, d, generator=gen).to(DEV) for _ in range(2)]
+    plan = KVWriteLaunch(torch.empty(t, hkv, d, device=DEV), caches[0], slots)
+    for cache in caches:
+        k, v = torch.randn(2, t, hkv, d, generator=gen).to(DEV)
+        want = cache.clone()
+        write_kv_cache_ref(k, v, want, slots)
+        plan(k, v, cache)
+        assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="planned for a cache"):
+        plan(k, v, torch.zeros(2, nblk // 2, 2 * bs, hkv, d, device=DEV))
+    with pytest.raises(ValueError, match="k/v must be"):
+        KVWriteLaunch(torch.empty(t, hkv * d, device=DEV), caches[0], slots)
+
+
 def test_write_kv_cache_block_major():
     """vLLM's [num_blocks, 2, ...] cache, viewed as [2, ...], written in place."""
     gen = torch.Generator().manual_seed(8)

@@ -132,10 +132,15 @@ class RunnerStartup:
         the count and CUDA loads a kernel at its first launch, where the host waited for the
         device: a process's first throughput run launched its mixed steps in their GPU time (H100:
         ~21 ms, 9 of it in that matmul, against 5-9 ms in a second run; benchmarks/RESULTS.md).
-        The decode graphs' counts load at their capture. ~256 matmuls: tens of ms."""
-        hidden = torch.zeros(self.max_num_seqs, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        for rows in range(1, self.max_num_seqs + 1):
+        The decode graphs' counts load at their capture. ~256 matmuls: tens of ms. Largest
+        first, so that each count's logits fit in the first one's freed block (rising, every
+        count took a new one: gigabytes held at a 152k vocabulary)."""
+        most = min(self.max_num_seqs, self.max_num_batched_tokens)   # a step's rows at most
+        hidden = torch.zeros(most, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        for rows in range(most, 0, -1):
             self.model.compute_logits(hidden[:rows])
+        del hidden
+        torch.cuda.empty_cache()
 
     def profile_step(self) -> StepInputs:
         """The largest prefill step: the token budget as prompts of at most max_model_len tokens

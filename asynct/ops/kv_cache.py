@@ -47,8 +47,12 @@ def dequantize(x, scale, dtype):
 
 
 def check_kv_write(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
-    check_kv_cache(kv_cache)
+    check_kv_shapes(k, v, kv_cache, slot_mapping)
     check_kv_scales(kv_cache, k_scale, v_scale)
+
+
+def check_kv_shapes(k, v, kv_cache, slot_mapping):
+    check_kv_cache(kv_cache)
     want = (k.shape[0],) + tuple(kv_cache.shape[3:])
     if tuple(k.shape) != want or tuple(v.shape) != want:
         raise ValueError(f"k/v must be {want}, got {tuple(k.shape)} / {tuple(v.shape)}")
@@ -104,10 +108,14 @@ class KVWriteLaunch:
     (KernelLaunch)."""
 
     def __init__(self, k, kv_cache, slot_mapping):
+        check_kv_shapes(k, k, kv_cache, slot_mapping)    # the scales come a layer
         t, h, d = k.shape
         if not pow2(d):
             raise ValueError(f"head_dim must be a power of two, got {d}")
         self.slot_mapping, self.tokens = slot_mapping, t
+        # what the constants below follow: a layer whose cache differs gets an error, not a write
+        # by another layer's block size, heads or dtype
+        self.layout = _write_layout(kv_cache)
         h_pad = next_power_of_2(h)
         block_t = max(1, 4096 // (h_pad * d))
         on = pdl(k)
@@ -116,12 +124,19 @@ class KVWriteLaunch:
 
     def __call__(self, k, v, kv_cache, k_scale=None, v_scale=None):
         check_kv_write(k, v, kv_cache, self.slot_mapping, k_scale, v_scale)
+        if _write_layout(kv_cache) != self.layout:
+            raise ValueError(f"this K/V write was planned for a cache {self.layout}, got {_write_layout(kv_cache)}")
         if self.tokens == 0:
             return
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         scales = (k_scale, v_scale) if self.consts["FP8"] else (self.slot_mapping,) * 2
         self.kernel(k, v, k_cache, v_cache, self.slot_mapping, *scales, self.tokens, k.stride(0), k.stride(1),
                     v.stride(0), v.stride(1), *k_cache.stride()[:3], k.shape[1], **self.consts)
+
+
+def _write_layout(kv_cache) -> tuple:
+    """(block size, KV heads, head size, dtype, device): k and v are checked against the cache."""
+    return (*kv_cache.shape[2:], kv_cache.dtype, kv_cache.device)
 
 
 def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
