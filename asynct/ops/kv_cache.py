@@ -140,8 +140,13 @@ def _write_layout(kv_cache) -> tuple:
 
 
 def write_kv_cache_triton(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):
-    check_kv_write(k, v, kv_cache, slot_mapping, k_scale, v_scale)
-    KVWriteLaunch(k, kv_cache, slot_mapping)(k, v, kv_cache, k_scale, v_scale)
+    KVWriteLaunch(k, kv_cache, slot_mapping)(k, v, kv_cache, k_scale, v_scale)   # both check
+
+
+def write_kv_ref_launch(k, kv_cache, slot_mapping):
+    """The reference as a layer's launch (any head size)."""
+    return lambda k, v, kv_cache, k_scale=None, v_scale=None: write_kv_cache_ref(k, v, kv_cache, slot_mapping,
+                                                                                   k_scale, v_scale)
 
 
 def write_kv_launch(k, kv_cache, slot_mapping):
@@ -149,8 +154,7 @@ def write_kv_launch(k, kv_cache, slot_mapping):
     planned once (KVWriteLaunch) where the Triton kernel serves, else the reference."""
     if kv_cache.is_cuda and triton is not None and pow2(kv_cache.shape[-1]):
         return KVWriteLaunch(k, kv_cache, slot_mapping)
-    return lambda k, v, kv_cache, k_scale=None, v_scale=None: write_kv_cache_ref(k, v, kv_cache, slot_mapping,
-                                                                                   k_scale, v_scale)
+    return write_kv_ref_launch(k, kv_cache, slot_mapping)
 
 
 def write_kv_cache(k, v, kv_cache, slot_mapping, k_scale=None, v_scale=None):

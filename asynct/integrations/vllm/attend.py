@@ -31,7 +31,7 @@ from asynct.integrations.vllm import paged_torch
 from asynct.ops._triton import pow2
 from asynct.ops.asynci_decode import DecodeLaunch, decode_launch
 from asynct.ops.asynci_prefill import PrefillLaunch, prefill_launch
-from asynct.ops.kv_cache import KVWriteLaunch, write_kv_cache_ref, write_kv_launch
+from asynct.ops.kv_cache import KVWriteLaunch, write_kv_launch, write_kv_ref_launch
 
 PATHS = ("ops", "triton", "torch")
 
@@ -44,14 +44,10 @@ class Planners(NamedTuple):
     prefill: Callable | None
 
 
-def _write_ref(k, kv_cache, slot_mapping):   # the torch write: any head size
-    return lambda k, v, kv_cache: write_kv_cache_ref(k, v, kv_cache, slot_mapping)
-
-
 PLANNERS = {
     "ops": Planners(write_kv_launch, decode_launch, prefill_launch),
     "triton": Planners(KVWriteLaunch, DecodeLaunch, PrefillLaunch),
-    "torch": Planners(_write_ref, None, None),
+    "torch": Planners(write_kv_ref_launch, None, None),   # the torch write: any head size
 }
 
 
