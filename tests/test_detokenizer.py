@@ -1,10 +1,16 @@
-"""Output text as vLLM's detokenizer gives it, for tokenizers other than the shipped byte one."""
+"""Output text as vLLM's detokenizer gives it, for tokenizers other than the shipped byte one,
+and the incremental decode against its reference."""
+import random
+
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from asynct import LLM, SamplingParams
+from asynct.engine.detokenizer import Detokenizer
+from asynct.engine.sequence import Sequence
 from asynct.model.checkpoint import make_checkpoint
+from asynct.model.tokenizer import byte_tokenizer
 
 PROMPT = {"prompt_token_ids": [1, 2, 3]}
 
@@ -31,3 +37,62 @@ def test_the_first_output_word_keeps_its_leading_space(word_llm, stop):
     out = word_llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, stop=stop),
                             use_tqdm=False)[0].outputs[0]
     assert out.text == "".join(f" w{t}" for t in out.token_ids)
+
+
+def _word_tokenizer():
+    vocab = {f"▁w{i}": i for i in range(256)} | {"<eos>": 256, "<pad>": 257, "<bos>": 258}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def _texts(detok, prompt, outputs, params):
+    """seq.text after each output token, and whether a stop string ended it there."""
+    seq = Sequence(0, "r", 0, prompt, params, 16)
+    texts = []
+    for t in outputs:
+        seq.append_token(t)
+        texts.append((detok.step(seq), seq.text))
+        if texts[-1][0]:
+            break
+    return texts
+
+
+@pytest.mark.parametrize("make", [byte_tokenizer, _word_tokenizer])
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_streamed_text_is_the_window_decodes_token_by_token(make, skip):
+    """The Rust incremental decoder (one call a token) against the two-decode window it replaced,
+    over random outputs that split multi-byte characters, hold special tokens (skipped or not)
+    and end at a stop string: the same text after every token."""
+    stream = Detokenizer(make())
+    window = Detokenizer(make())
+    window._stream_backend = None
+    assert stream._stream_backend is not None     # this venv's tokenizers has DecodeStream
+    rng = random.Random(0)
+    for case in range(30):
+        prompt = [rng.randrange(259) for _ in range(rng.randint(0, 8))] or [258]
+        outputs = [rng.choice([rng.randrange(256), rng.randrange(128, 256), rng.randrange(256, 259)])
+                   for _ in range(rng.randint(1, 40))]
+        stop = [stream.decode(outputs[5:7], skip)] if case % 3 == 0 and len(outputs) > 7 else []
+        params = SamplingParams(max_tokens=64, skip_special_tokens=skip, stop=[s for s in stop if s])
+        assert _texts(stream, prompt, outputs, params) == _texts(window, prompt, outputs, params), case
+
+
+def test_a_stream_that_fails_starts_again_at_the_token():
+    """A decoder whose longer text does not extend its shorter one breaks the stream's state
+    (tokenizers raises "invalid prefix"): the text goes on from the failing token, not an error."""
+    detok = Detokenizer(byte_tokenizer())
+    seq = Sequence(0, "r", 0, [65], SamplingParams(max_tokens=8), 16)
+    for t in b"ab":
+        seq.append_token(t)
+        detok.step(seq)
+
+    class Broken:
+        def step(self, tokenizer, token):
+            raise Exception("Invalid prefix encountered")
+    seq.detok_stream = Broken()
+    seq.append_token(ord("c"))
+    detok.step(seq)
+    assert seq.text == "abc"
