@@ -55,10 +55,16 @@ class _RegisterWhenTransformersLoads(importlib.abc.MetaPathFinder):
 
 
 def _register(auto_module: str):
+    """Calls the asynct module's `register_with_transformers`: imported before transformers'
+    Auto module, asynct.config registers nothing itself. A module still being imported (whose
+    own imports loaded the Auto module) has no such function yet: it registers at its end."""
     try:
-        importlib.import_module(_AUTO_REGISTRATION[auto_module])
+        module = importlib.import_module(_AUTO_REGISTRATION[auto_module])
     except ImportError:  # transformers half-loaded: the asynct module registers when it is imported
-        pass
+        return
+    register = getattr(module, "register_with_transformers", None)
+    if register is not None:
+        register()
 
 
 if not any(isinstance(f, _RegisterWhenTransformersLoads) for f in sys.meta_path):

@@ -241,10 +241,10 @@ class AsyncTForCausalLM(AsyncTPreTrainedModel, GenerationMixin):
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
 
-def _register_with_transformers():
+def register_with_transformers():
     from transformers import AutoConfig, AutoModelForCausalLM
     AutoConfig.register("asynct", AsyncTConfig, exist_ok=True)
     AutoModelForCausalLM.register(AsyncTConfig, AsyncTForCausalLM, exist_ok=True)
 
 
-_register_with_transformers()
+register_with_transformers()
