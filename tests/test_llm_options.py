@@ -174,6 +174,23 @@ def test_a_failing_chat_template_is_a_clear_error(llm, template, words):
     assert llm.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False)[0].error is None
 
 
+def test_chat_template_kwargs_are_the_templates_variables(llm):
+    """chat_template_kwargs reach the template, may replace its inputs (the template itself, as
+    vLLM's), and may not set apply_chat_template's own arguments: a `tokenize` there was a
+    TypeError reported as "the chat template failed"."""
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    template = "{{ greeting }}{% for m in messages %}[{{ m.role }}]{% endfor %}"
+    out = llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=template, chat_template_kwargs={"greeting": "Hey"})
+    assert out[0].prompt == "Hey[system][user]"
+    out = llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template_kwargs={"chat_template": "{{ messages[1].content }}"})
+    assert out[0].prompt == "Hi there"
+    for bad, words in (({"tokenize": True}, r"may not set \['tokenize'\]"),
+                       ({"add_generation_prompt": False, "x": 1}, r"may not set \['add_generation_prompt'\]"),
+                       (["greeting"], "chat_template_kwargs is a dict")):
+        with pytest.raises(ValueError, match=words):
+            llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template_kwargs=bad)
+
+
 def test_load_chat_template(tmp_path):
     f = tmp_path / "t.jinja"
     f.write_text("{{ messages[0].content }}")

@@ -1,9 +1,19 @@
 """Chat templates as vLLM takes them: `--chat-template` is a file or the template itself, and
 `LLM.chat` renders conversations with the tokenizer's template (or one given)."""
+import inspect
 import json
 from pathlib import Path
 
 JINJA_CHARS = "{}\n"      # vLLM's test: a template has these, a file name has not
+# apply_chat_template's arguments that chat_template_kwargs may set, as vLLM lets them: the
+# template's own inputs. Its others (tokenize, add_generation_prompt, ...) are the caller's.
+TEMPLATE_INPUTS = ("chat_template", "tools", "documents")
+
+
+def reserved_template_kwargs(tokenizer, kwargs: dict) -> list[str]:
+    """The chat_template_kwargs that would set apply_chat_template's own arguments."""
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {*TEMPLATE_INPUTS, "kwargs"}
+    return sorted(own & set(kwargs))
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -27,7 +37,8 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer, so LLM.chat cannot render messages: "
                          "use LLM.generate with prompt_token_ids")
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+    kwargs = _template_kwargs(tokenizer, chat_template_kwargs)
+    template = kwargs.get("chat_template") or chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template: pass chat_template='...' (a Jinja template) "
                          "or use LLM.generate with a prompt")
@@ -41,11 +52,26 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
         messages = [template_message(m) for m in conv]
         try:
             texts.append(tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, **(chat_template_kwargs or {})))
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **{"tools": tools, **kwargs, "chat_template": template}))
         except Exception as e:   # Jinja's own (raise_exception, a bad role), as the server's 400 says it
             raise ValueError(f"the chat template failed on conversation {i}: {type(e).__name__}: {e}") from e
     return texts
+
+
+def _template_kwargs(tokenizer, kwargs) -> dict:
+    """chat_template_kwargs, checked: a dict of the template's variables, which may replace its
+    inputs (`tools`, `documents`, the template) but not apply_chat_template's own arguments (a
+    `tokenize` there was a TypeError reported as the template failing)."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"chat_template_kwargs is a dict of the template's variables, got {type(kwargs).__name__}")
+    clash = reserved_template_kwargs(tokenizer, kwargs)
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {clash}: LLM.chat sets them itself")
+    return kwargs
 
 
 def template_message(message: dict) -> dict:
