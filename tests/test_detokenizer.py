@@ -60,29 +60,44 @@ def _texts(detok, prompt, outputs, params):
     return texts
 
 
-@pytest.mark.parametrize("make", [byte_tokenizer, _word_tokenizer])
+def _byte_fallback_tokenizer():
+    """Llama-2's kind: words with "▁" for their space, bytes as <0xNN> tokens, whose decoder turns
+    bytes shown as text into U+FFFD once they prove invalid UTF-8 (the stream then fails)."""
+    vocab = [(f"<0x{b:02X}>", 0.0) for b in range(256)] + [("<unk>", 0.0), ("<s>", 0.0), ("</s>", 0.0)]
+    vocab += [(w, -1.0) for w in ("▁the", "▁a", "▁cat", "▁sat", "▁on", "the", "cat", "▁", ".")]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=256, byte_fallback=True))
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("make,vocab", [(byte_tokenizer, 259), (_word_tokenizer, 259), (_byte_fallback_tokenizer, 268)])
 @pytest.mark.parametrize("skip", [True, False])
-def test_the_streamed_text_is_the_window_decodes_token_by_token(make, skip):
+def test_the_streamed_text_is_the_window_decodes_token_by_token(make, vocab, skip):
     """The Rust incremental decoder (one call a token) against the two-decode window it replaced,
-    over random outputs that split multi-byte characters, hold special tokens (skipped or not)
-    and end at a stop string: the same text after every token."""
+    over random outputs that split multi-byte characters, hold special tokens (skipped or not),
+    make invalid UTF-8 (a byte-fallback decoder's stream fails: the window decode goes on) and
+    end at a stop string: the same text after every token."""
     stream = Detokenizer(make())
     window = Detokenizer(make())
     window._stream_backend = None
     assert stream._stream_backend is not None     # this venv's tokenizers has DecodeStream
     rng = random.Random(0)
-    for case in range(30):
-        prompt = [rng.randrange(259) for _ in range(rng.randint(0, 8))] or [258]
-        outputs = [rng.choice([rng.randrange(256), rng.randrange(128, 256), rng.randrange(256, 259)])
+    for case in range(60):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))] or [vocab - 1]
+        outputs = [rng.choice([rng.randrange(256), rng.randrange(128, 256), rng.randrange(256, vocab)])
                    for _ in range(rng.randint(1, 40))]
         stop = [stream.decode(outputs[5:7], skip)] if case % 3 == 0 and len(outputs) > 7 else []
         params = SamplingParams(max_tokens=64, skip_special_tokens=skip, stop=[s for s in stop if s])
         assert _texts(stream, prompt, outputs, params) == _texts(window, prompt, outputs, params), case
 
 
-def test_a_stream_that_fails_starts_again_at_the_token():
+def test_a_sequence_whose_stream_fails_goes_on_by_the_window_decode():
     """A decoder whose longer text does not extend its shorter one breaks the stream's state
-    (tokenizers raises "invalid prefix"): the text goes on from the failing token, not an error."""
+    (tokenizers raises "invalid prefix"): the window decode takes over from the stream's offsets,
+    the failing token's text included, rather than the request failing."""
     detok = Detokenizer(byte_tokenizer())
     seq = Sequence(0, "r", 0, [65], SamplingParams(max_tokens=8), 16)
     for t in b"ab":
@@ -93,6 +108,7 @@ def test_a_stream_that_fails_starts_again_at_the_token():
         def step(self, tokenizer, token):
             raise Exception("Invalid prefix encountered")
     seq.detok_stream = Broken()
-    seq.append_token(ord("c"))
-    detok.step(seq)
-    assert seq.text == "abc"
+    for t in b"cd":
+        seq.append_token(t)
+        detok.step(seq)
+    assert seq.text == "abcd" and seq.detok_stream is False

@@ -76,10 +76,11 @@ class Detokenizer:
 
     def step(self, seq: Sequence) -> bool:
         """Extends seq.text by the newest token (holding back incomplete UTF-8); True when a
-        stop string appeared, after cutting the text there. As vLLM, the text of the first
-        min_tokens tokens is not searched: generation goes on after it, so a cut there would
-        lose text from the middle of the output."""
-        new = self._stream_text(seq) if self._stream_backend is not None else self._window_text(seq)
+        stop string appeared, after cutting the text there. Called once for each token appended
+        (StepFinishMixin). As vLLM, the text of the first min_tokens tokens is not searched:
+        generation goes on after it, so a cut there would lose text from the middle of the output."""
+        streamed = self._stream_backend is not None and seq.detok_stream is not False
+        new = self._stream_text(seq) if streamed else self._window_text(seq)
         if not new:
             return False
         start = len(seq.text)
@@ -89,38 +90,34 @@ class Detokenizer:
         return self._cut_at_stop(seq, start)
 
     def _stream_text(self, seq: Sequence) -> str | None:
-        """The text of the tokens since the last call, by the Rust tokenizer's own incremental
-        decoder: one call a token, where the window decode makes two decodes and their slicing
-        in Python (3x the host time a generated token on a CI core; an evaluation with stop
-        strings decodes every token of every sequence, ~220 a step on gsm8k)."""
+        """The newest token's text by the Rust tokenizer's own incremental decoder: one call a
+        token, where the window decode makes two decodes and their slicing in Python (1.4x the
+        host time a token on a CI core; an evaluation with stop strings decodes every token of
+        every sequence, ~220 a step on gsm8k). It keeps the window's offsets as it goes, so that
+        a sequence whose stream fails goes on by the window decode, as if it always had: a
+        byte-fallback decoder (Llama's) turns bytes it showed as text into U+FFFD once they
+        prove invalid UTF-8, and the stream, whose text only grows, raises there."""
         ids = seq.token_ids
         if seq.detok_stream is None:    # started on the prompt's tail, as the window decode
-            start = self._context(seq)[0]
-            seq.detok_stream = self._new_stream(seq, ids[start:seq.num_prompt_tokens])
-        read, seq.detok_read_offset = seq.detok_read_offset, len(ids)
-        if read == len(ids) - 1:        # a step's one token
-            return self._stream_step(seq, ids[-1])
-        return "".join(filter(None, (self._stream_step(seq, t) for t in ids[read:])))
-
-    def _new_stream(self, seq: Sequence, context: list[int]):
-        return DecodeStream(ids=context, skip_special_tokens=seq.params.skip_special_tokens)
-
-    def _stream_step(self, seq: Sequence, token: int) -> str | None:
+            seq.detok_prefix_offset = start = self._context(seq)[0]
+            seq.detok_stream = DecodeStream(ids=ids[start:seq.num_prompt_tokens],
+                                            skip_special_tokens=seq.params.skip_special_tokens)
         try:
-            return seq.detok_stream.step(self._stream_backend, token)
-        except Exception:   # noqa: BLE001
-            # a decoder whose text of more tokens does not extend its text of fewer (the stream's
-            # "invalid prefix"): its state is lost, so it starts again at this token
-            seq.detok_stream = self._new_stream(seq, [])
-            return seq.detok_stream.step(self._stream_backend, token)
+            new = seq.detok_stream.step(self._stream_backend, ids[-1])
+        except Exception:   # noqa: BLE001  (tokenizers' "invalid prefix")
+            seq.detok_stream = False
+            return self._window_text(seq)
+        if new:
+            seq.detok_prefix_offset, seq.detok_read_offset = seq.detok_read_offset, len(ids)
+        return new
 
     def _window_text(self, seq: Sequence) -> str | None:
         """The text the newest tokens add, as the difference of two decodes: of the tokens since
         the last complete text, with and without the newest. For tokenizers without a Rust
         incremental decoder (transformers' space clean-up, tokenizers before 0.21)."""
         ids, skip = seq.token_ids, seq.params.skip_special_tokens
-        if seq.detok_read_offset == seq.num_prompt_tokens:    # no text yet: start in the prompt
-            seq.detok_prefix_offset = self._context(seq)[0]
+        if seq.detok_read_offset == seq.num_prompt_tokens and seq.detok_stream is None:
+            seq.detok_prefix_offset = self._context(seq)[0]     # no text yet: start in the prompt
         prefix = self.decode(ids[seq.detok_prefix_offset:seq.detok_read_offset], skip)
         full = self.decode(ids[seq.detok_prefix_offset:], skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
