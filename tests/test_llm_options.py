@@ -175,20 +175,20 @@ def test_a_failing_chat_template_is_a_clear_error(llm, template, words):
 
 
 def test_chat_template_kwargs_are_the_templates_variables(llm):
-    """chat_template_kwargs reach the template, may replace its inputs (the template itself, as
-    vLLM's), and may not set apply_chat_template's own arguments: a `tokenize` there was a
-    TypeError reported as "the chat template failed"."""
+    """chat_template_kwargs reach the template; LLM.chat's own arguments win over them, as in
+    vLLM's LLM.chat (a `tokenize` or `chat_template` there was a TypeError reported as "the chat
+    template failed"); the messages and non-dicts are refused by name."""
     greedy = SamplingParams(temperature=0, max_tokens=1)
-    template = "{{ greeting }}{% for m in messages %}[{{ m.role }}]{% endfor %}"
-    out = llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=template, chat_template_kwargs={"greeting": "Hey"})
-    assert out[0].prompt == "Hey[system][user]"
-    out = llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template_kwargs={"chat_template": "{{ messages[1].content }}"})
-    assert out[0].prompt == "Hi there"
-    for bad, words in (({"tokenize": True}, r"may not set \['tokenize'\]"),
-                       ({"add_generation_prompt": False, "x": 1}, r"may not set \['add_generation_prompt'\]"),
-                       (["greeting"], "chat_template_kwargs is a dict")):
+    template = "{{ greeting }}{% for m in messages %}[{{ m.role }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    chat = lambda **kw: llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template=template, **kw)[0].prompt  # noqa: E731
+    assert chat(chat_template_kwargs={"greeting": "Hey"}) == "Hey[system][user]>"
+    assert chat(chat_template_kwargs={"greeting": "Hey", "tokenize": True, "add_generation_prompt": False,
+                                      "chat_template": "x"}) == "Hey[system][user]>"
+    assert chat(add_generation_prompt=False, chat_template_kwargs={"add_generation_prompt": True}) == "[system][user]"
+    for bad, words in (({"messages": []}, "may not set the messages"), (["greeting"], "chat_template_kwargs is a dict"),
+                       ({1: 2}, "chat_template_kwargs is a dict")):
         with pytest.raises(ValueError, match=words):
-            llm.chat(MESSAGES, greedy, use_tqdm=False, chat_template_kwargs=bad)
+            chat(chat_template_kwargs=bad)
 
 
 def test_load_chat_template(tmp_path):

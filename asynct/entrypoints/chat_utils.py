@@ -5,13 +5,14 @@ import json
 from pathlib import Path
 
 JINJA_CHARS = "{}\n"      # vLLM's test: a template has these, a file name has not
-# apply_chat_template's arguments that chat_template_kwargs may set, as vLLM lets them: the
-# template's own inputs. Its others (tokenize, add_generation_prompt, ...) are the caller's.
+# apply_chat_template's arguments that a server request's chat_template_kwargs may set: the
+# template's own inputs. Its others (tokenize, add_generation_prompt, ...) are the route's.
 TEMPLATE_INPUTS = ("chat_template", "tools", "documents")
 
 
 def reserved_template_kwargs(tokenizer, kwargs: dict) -> list[str]:
-    """The chat_template_kwargs that would set apply_chat_template's own arguments."""
+    """The chat_template_kwargs that would set apply_chat_template's own arguments (the server
+    refuses them with a 400, as vLLM's server refuses `tokenize`)."""
     own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {*TEMPLATE_INPUTS, "kwargs"}
     return sorted(own & set(kwargs))
 
@@ -37,8 +38,8 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
     if tokenizer is None:
         raise ValueError("this checkpoint has no tokenizer, so LLM.chat cannot render messages: "
                          "use LLM.generate with prompt_token_ids")
-    kwargs = _template_kwargs(tokenizer, chat_template_kwargs)
-    template = kwargs.get("chat_template") or chat_template or getattr(tokenizer, "chat_template", None)
+    kwargs = _template_kwargs(chat_template_kwargs)
+    template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError("the tokenizer has no chat template: pass chat_template='...' (a Jinja template) "
                          "or use LLM.generate with a prompt")
@@ -51,26 +52,24 @@ def render_conversations(tokenizer, conversations, chat_template=None, add_gener
     for i, conv in enumerate(conversations):
         messages = [template_message(m) for m in conv]
         try:
-            texts.append(tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                **{"tools": tools, **kwargs, "chat_template": template}))
+            # as vLLM's LLM.chat: the call's own arguments win over chat_template_kwargs
+            texts.append(tokenizer.apply_chat_template(messages, **{
+                **kwargs, "chat_template": template, "tokenize": False, "add_generation_prompt": add_generation_prompt,
+                "continue_final_message": continue_final_message, **({} if tools is None else {"tools": tools})}))
         except Exception as e:   # Jinja's own (raise_exception, a bad role), as the server's 400 says it
             raise ValueError(f"the chat template failed on conversation {i}: {type(e).__name__}: {e}") from e
     return texts
 
 
-def _template_kwargs(tokenizer, kwargs) -> dict:
-    """chat_template_kwargs, checked: a dict of the template's variables, which may replace its
-    inputs (`tools`, `documents`, the template) but not apply_chat_template's own arguments (a
-    `tokenize` there was a TypeError reported as the template failing)."""
+def _template_kwargs(kwargs) -> dict:
+    """chat_template_kwargs, checked: the template's variables by name. The messages are
+    LLM.chat's own: a `messages` there was a TypeError reported as "the chat template failed"."""
     if kwargs is None:
         return {}
-    if not isinstance(kwargs, dict):
-        raise ValueError(f"chat_template_kwargs is a dict of the template's variables, got {type(kwargs).__name__}")
-    clash = reserved_template_kwargs(tokenizer, kwargs)
-    if clash:
-        raise ValueError(f"chat_template_kwargs may not set {clash}: LLM.chat sets them itself")
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs is a dict of the template's variables by name, got {kwargs!r:.60}")
+    if {"messages", "conversation"} & set(kwargs):
+        raise ValueError("chat_template_kwargs may not set the messages: they are LLM.chat's first argument")
     return kwargs
 
 
