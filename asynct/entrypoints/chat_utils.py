@@ -1,20 +1,9 @@
 """Chat templates as vLLM takes them: `--chat-template` is a file or the template itself, and
 `LLM.chat` renders conversations with the tokenizer's template (or one given)."""
-import inspect
 import json
 from pathlib import Path
 
 JINJA_CHARS = "{}\n"      # vLLM's test: a template has these, a file name has not
-# apply_chat_template's arguments that a server request's chat_template_kwargs may set: the
-# template's own inputs. Its others (tokenize, add_generation_prompt, ...) are the route's.
-TEMPLATE_INPUTS = ("chat_template", "tools", "documents")
-
-
-def reserved_template_kwargs(tokenizer, kwargs: dict) -> list[str]:
-    """The chat_template_kwargs that would set apply_chat_template's own arguments (the server
-    refuses them with a 400, as vLLM's server refuses `tokenize`)."""
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {*TEMPLATE_INPUTS, "kwargs"}
-    return sorted(own & set(kwargs))
 
 
 def load_chat_template(template: str | None) -> str | None:

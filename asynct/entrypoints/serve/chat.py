@@ -1,12 +1,12 @@
 """/v1/chat/completions: the messages go through the tokenizer's chat template, then the same
 engine path as completions. Rendering runs in a worker thread with a time limit (the caller's
 `ctx.off_loop`); a template sent in the request is rendered only where the server trusts them."""
+import inspect
 import time
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from asynct.entrypoints.chat_utils import reserved_template_kwargs
 from asynct.entrypoints.serve.chat_protocol import ChatCompletionRequest, ChatTemplateFields
 from asynct.entrypoints.serve.responses import (ChunkFrame, EventStream, TextStream, collect, encode, encode_str,
                                                 event_stream, finite, prompt_logprobs_json, request_id, usage)
@@ -49,7 +49,8 @@ def check_template_kwargs(ctx: ServingContext, kwargs: dict):
     if "chat_template" in kwargs and not ctx.limits.trust_request_chat_template:
         raise ApiError(400, "this server does not render chat templates sent in requests "
                             "(start it with --trust-request-chat-template to allow them)", param="chat_template")
-    clash = reserved_template_kwargs(ctx.tokenizer, kwargs)
+    reserved = set(inspect.signature(ctx.tokenizer.apply_chat_template).parameters) - {"chat_template", "tools", "documents", "kwargs"}
+    clash = sorted(reserved & set(kwargs))
     if clash:
         raise ApiError(400, f"chat_template_kwargs may not set {clash}", param="chat_template_kwargs")
 
