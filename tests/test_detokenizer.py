@@ -112,3 +112,26 @@ def test_a_sequence_whose_stream_fails_goes_on_by_the_window_decode():
         seq.append_token(t)
         detok.step(seq)
     assert seq.text == "abcd" and seq.detok_stream is False
+
+
+def test_a_stop_is_searched_only_where_the_new_text_can_end_it():
+    """_cut_at_stop skips a stop whose last character the new text lacks: over random texts, stops
+    and splits it cuts where a plain search of every stop from the new text's reach does."""
+    rng = random.Random(0)
+
+    def plain(text, new_from, stops, include):
+        for stop in stops:
+            idx = text.find(stop, max(0, new_from - len(stop) + 1))
+            if idx >= 0:
+                return text[:idx + len(stop) if include else idx], stop
+        return text, None
+    for case in range(2000):
+        text = "".join(rng.choice("ab:Q\n ") for _ in range(rng.randint(1, 30)))
+        new_from = rng.randrange(len(text))
+        stops = ["".join(rng.choice("ab:Q\n ") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        include = rng.random() < 0.5
+        seq = Sequence(0, "r", 0, [1], SamplingParams(max_tokens=8, stop=stops, include_stop_str_in_output=include), 16)
+        seq.text = text
+        found = Detokenizer._cut_at_stop(seq, new_from, text[new_from:])
+        assert (seq.text, seq.stop_reason) == plain(text, new_from, stops, include), case
+        assert found == (seq.stop_reason is not None)

@@ -122,10 +122,12 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence):
         """Publishes the hashes of blocks that became full, so later prompts can share them."""
-        if not self.enable_prefix_caching:
+        # tokens still on the device wait; called for every row of every step, so the
+        # common case (no block newly full) returns before anything else
+        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        if full <= len(seq.block_hashes) or not self.enable_prefix_caching:
             return
-        known = min(seq.num_computed_tokens, len(seq))   # tokens still on the device wait
-        for i in range(len(seq.block_hashes), known // self.block_size):
+        for i in range(len(seq.block_hashes), full):
             h = chain_hash(seq.block_hashes[-1] if seq.block_hashes else NO_HASH, seq.block(i))
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]

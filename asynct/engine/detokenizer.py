@@ -79,15 +79,17 @@ class Detokenizer:
         stop string appeared, after cutting the text there. Called once for each token appended
         (StepFinishMixin). As vLLM, the text of the first min_tokens tokens is not searched:
         generation goes on after it, so a cut there would lose text from the middle of the output."""
-        streamed = self._stream_backend is not None and seq.detok_stream is not False
-        new = self._stream_text(seq) if streamed else self._window_text(seq)
+        if self._stream_backend is not None and seq.detok_stream is not False:
+            new = self._stream_text(seq)
+        else:
+            new = self._window_text(seq)
         if not new:
             return False
         start = len(seq.text)
         seq.text += new
-        if seq.num_output_tokens <= seq.params.min_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens <= seq.params.min_tokens:
             return False
-        return self._cut_at_stop(seq, start)
+        return self._cut_at_stop(seq, start, new)
 
     def _stream_text(self, seq: Sequence) -> str | None:
         """The newest token's text by the Rust tokenizer's own incremental decoder: one call a
@@ -97,13 +99,13 @@ class Detokenizer:
         a sequence whose stream fails goes on by the window decode, as if it always had: a
         byte-fallback decoder (Llama's) turns bytes it showed as text into U+FFFD once they
         prove invalid UTF-8, and the stream, whose text only grows, raises there."""
-        ids = seq.token_ids
-        if seq.detok_stream is None:    # started on the prompt's tail, as the window decode
+        ids, stream = seq.token_ids, seq.detok_stream
+        if stream is None:    # started on the prompt's tail, as the window decode
             seq.detok_prefix_offset = start = self._context(seq)[0]
-            seq.detok_stream = DecodeStream(ids=ids[start:seq.num_prompt_tokens],
-                                            skip_special_tokens=seq.params.skip_special_tokens)
+            seq.detok_stream = stream = DecodeStream(ids=ids[start:seq.num_prompt_tokens],
+                                                     skip_special_tokens=seq.params.skip_special_tokens)
         try:
-            new = seq.detok_stream.step(self._stream_backend, ids[-1])
+            new = stream.step(self._stream_backend, ids[-1])
         except Exception:   # noqa: BLE001  (tokenizers' "invalid prefix")
             seq.detok_stream = False
             return self._window_text(seq)
@@ -126,12 +128,17 @@ class Detokenizer:
         return full[len(prefix):]
 
     @staticmethod
-    def _cut_at_stop(seq: Sequence, new_from: int) -> bool:
+    def _cut_at_stop(seq: Sequence, new_from: int, new: str) -> bool:
+        """`new`: the text from new_from, which any stop found now ends in: a stop whose last
+        character it lacks is not searched for (most tokens, most stops)."""
+        text = seq.text
         for stop in seq.params.stop_list:
-            idx = seq.text.find(stop, max(0, new_from - len(stop) + 1))
+            if stop[-1] not in new:
+                continue
+            idx = text.find(stop, max(0, new_from - len(stop) + 1))
             if idx >= 0:
                 end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-                seq.text, seq.stop_reason = seq.text[:end], stop
+                seq.text, seq.stop_reason = text[:end], stop
                 return True
         return False
 

@@ -199,8 +199,9 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
         its K/V read) after it on the device. Its samples are pending until finished."""
         for seq, n in zip(launched.batch.seqs, launched.batch.num_tokens):
             seq.num_computed_tokens += n
-            seq.num_prompt_logprobs_scheduled = max(seq.num_prompt_logprobs_scheduled,
-                                                    min(seq.num_computed_tokens, seq.num_prompt_tokens - 1))
+            if seq.num_prompt_logprobs_scheduled < seq.num_prompt_tokens - 1:    # prompt rows only
+                seq.num_prompt_logprobs_scheduled = max(seq.num_prompt_logprobs_scheduled,
+                                                        min(seq.num_computed_tokens, seq.num_prompt_tokens - 1))
             self.block_manager.commit_full_blocks(seq)   # prompt blocks: their tokens are known
         for row, i in enumerate(launched.samplers):
             seq = launched.batch.seqs[i]

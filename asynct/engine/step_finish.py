@@ -33,8 +33,8 @@ class StepFinishMixin:
                 failed[seq.request_id] = self._failure(seq, e)
                 continue
             # `seq` may be of an ended request whose id a new request took while this step ran
-            if req is not None and seq.index < len(req.seqs) and req.seqs[seq.index] is seq \
-                    and (req.stream or seq.is_finished and req.finished):
+            if req is not None and (req.stream or seq.is_finished and req.finished) \
+                    and seq.index < len(req.seqs) and req.seqs[seq.index] is seq:
                 touched[seq.request_id] = req
         outputs = [self._output(req) for rid, req in touched.items() if rid not in failed]
         return outputs + [self._fail_request(self.requests[rid], msg) for rid, msg in failed.items()
@@ -78,7 +78,7 @@ class StepFinishMixin:
                 return "stop"
         if p.max_tokens is not None and num_out >= p.max_tokens:
             return "length"
-        return "length" if len(seq) >= self.max_model_len else None
+        return "length" if len(seq.token_ids) >= self.max_model_len else None
 
     def _output(self, req: Request) -> RequestOutput:
         outs = [CompletionOutput(s.index, self._text(s, req), s.output_token_ids,
