@@ -23,8 +23,9 @@ class ScheduledBatch:
         """Sequences with the tokens each computes; one-token queries (decodes) first, stably."""
         picked = sorted(picked, key=lambda p: p[1] != 1)
         seqs = [s for s, _ in picked]
-        return cls(seqs, [n for _, n in picked], sum(1 for _, n in picked if n == 1),
-                   sum(_prompt_part(s, n) for s, n in picked), tables.gather(seqs))
+        prompt_tokens = sum(_prompt_part(s, n) for s, n in picked if s.num_computed_tokens < s.num_prompt_tokens)
+        return cls(seqs, [n for _, n in picked], sum(1 for _, n in picked if n == 1), prompt_tokens,
+                   tables.gather(seqs))
 
     @property
     def total_tokens(self) -> int:
