@@ -108,7 +108,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
+        # newest first: the n sequences are admitted, so mostly finish, in order, and each one
+        # that finishes asks this (in order it was O(n) a call: 2.7 s of an n=3,000 request's 8 s)
+        return all(s.is_finished for s in reversed(self.seqs))
 
     @property
     def incremental(self) -> bool:
