@@ -2,7 +2,7 @@
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
 #   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
-#           mixed-host splitk
+#           mixed-host host-phases splitk
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -78,6 +78,16 @@ for s in $stages; do
              timeout 150 python3 benchmarks/persistent_mlp.py 2>&1 | tee $OUT/persistent.log ;;
     mixed-host) # a mixed step's host launch: device busy vs idle, synchronising ops, cProfile
            (cd benchmarks && timeout 120 python3 mixed_host.py --model $M 2>&1 | grep -v "it/s" | tee $OUT/mixed_host.log) ;;
+    host-phases) # the host's phases of a ~220-row decode step with lm-eval's gsm8k stop strings (and
+             # without), this tree then PEER's (a `git archive <commit> asynct` directory), alternating
+             T=/tmp/bench-0.6b-tok
+             [ -f $T/config.json ] || python3 -c "from asynct.model.checkpoint import make_checkpoint as m; m('bench-0.6b', '$T', tokenizer=True)"
+             for tree in $PWD ${PEER:-} $PWD ${PEER:-}; do
+               for stop in "" --no-stop; do
+                 echo "$tree $stop" | tee -a $OUT/host_phases.log
+                 PYTHONPATH=$tree timeout 120 python3 benchmarks/host_phases.py --model $T $stop 2>&1 | tail -4 | tee -a $OUT/host_phases.log
+               done
+             done ;;
     splitk) # a lead: 65-1,024-row projections split over K by cuBLAS's batched GEMM
            timeout 200 python3 benchmarks/splitk_linear.py 2>&1 | tee $OUT/splitk.log | grep "^|" ;;
     fp8) timeout 300 python3 benchmarks/fp8_kv.py $M 2>&1 | grep -v "^{" | tee $OUT/fp8.log ;;

@@ -122,8 +122,8 @@ class BlockManager:
 
     def commit_full_blocks(self, seq: Sequence):
         """Publishes the hashes of blocks that became full, so later prompts can share them."""
-        # tokens still on the device wait; called for every row of every step, so the
-        # common case (no block newly full) returns before anything else
+        # tokens still on the device wait; called twice for every row of every step (at launch
+        # and at finish), so the common case (no block newly full) returns before anything else
         full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
         if full <= len(seq.block_hashes) or not self.enable_prefix_caching:
             return

@@ -199,7 +199,7 @@ class LLMEngine(StepFinishMixin, RequestFailureMixin):
         its K/V read) after it on the device. Its samples are pending until finished."""
         for seq, n in zip(launched.batch.seqs, launched.batch.num_tokens):
             seq.num_computed_tokens += n
-            if seq.num_prompt_logprobs_scheduled < seq.num_prompt_tokens - 1:    # prompt rows only
+            if seq.num_prompt_logprobs_scheduled < seq.num_prompt_tokens - 1:    # not all scheduled yet
                 seq.num_prompt_logprobs_scheduled = max(seq.num_prompt_logprobs_scheduled,
                                                         min(seq.num_computed_tokens, seq.num_prompt_tokens - 1))
             self.block_manager.commit_full_blocks(seq)   # prompt blocks: their tokens are known

@@ -74,7 +74,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or self._ends_with_pending(seq):
                 continue   # preempted earlier in this loop, or its last token is on the device
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.holds(seq, n):    # 15 of a decode's 16 steps hold
+            if not self.block_manager.holds(seq, n):    # most decode steps: no block to take
                 if not self._make_room(seq, n):
                     continue
                 self.block_manager.allocate(seq, n)
