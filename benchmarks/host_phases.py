@@ -118,7 +118,7 @@ def main():
               for k in ("schedule", "launch", "advance", "finish", "detok")}
         host = sum(us[k] for k in ("schedule", "launch", "advance", "finish")) * rows / len(clock.steps) / 1e3
         print(f"{r:>5} {len(clock.steps):>5} {rows // len(clock.steps):>5} | {us['schedule']:8.2f} "
-              f"{us['launch']:6.2f} {us['advance']:7.2f} {us['finish']:6.2f} ({us['detok']:5.2f}) | "
+              f"{us['launch']:6.2f} {us['advance']:7.2f} {us['finish']:6.2f} {'(%.2f)' % us['detok']:>7} | "
               f"{host:14.3f} | {wall:6.3f}")
 
 

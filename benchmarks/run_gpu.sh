@@ -2,7 +2,7 @@
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
 #   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
-#           mixed-host host-phases splitk
+#           mixed-host host-phases replay-cost splitk
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
@@ -88,6 +88,8 @@ for s in $stages; do
                  PYTHONPATH=$tree timeout 120 python3 benchmarks/host_phases.py --model $T $stop 2>&1 | tail -4 | tee -a $OUT/host_phases.log
                done
              done ;;
+    replay-cost) # a decode graph's replay() host time by batch size, and whether it frees the GIL
+             timeout 120 python3 benchmarks/graph_replay_cost.py $M 2>&1 | grep -v Warn | tee $OUT/replay_cost.log ;;
     splitk) # a lead: 65-1,024-row projections split over K by cuBLAS's batched GEMM
            timeout 200 python3 benchmarks/splitk_linear.py 2>&1 | tee $OUT/splitk.log | grep "^|" ;;
     fp8) timeout 300 python3 benchmarks/fp8_kv.py $M 2>&1 | grep -v "^{" | tee $OUT/fp8.log ;;

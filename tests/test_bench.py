@@ -61,6 +61,17 @@ def test_seed_ablation_runs(tiny_ckpt):
         assert stage in r.stdout
 
 
+def test_host_phases_runs(tiny_ckpt):
+    """benchmarks/host_phases.py on the CPU: a row of decode steps of every sequence, whose
+    stop strings the detokenizer searched (its phase is timed, so not zero)."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_phases.py"), "--model", str(tiny_ckpt),
+                        "--rows", "16", "--tokens", "8", "--rounds", "1"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = r.stdout.strip().splitlines()[-1].split()
+    assert row[0] == "1" and row[2] == "16", r.stdout
+    assert float(row[row.index("|") + 5].strip("()")) > 0, r.stdout
+
+
 def test_bench_refuses_a_workload_whose_requests_failed(tiny_ckpt, capsys):
     """Prompts past max_model_len failed in the engine with a log line, and the row still
     reported every request and a token rate over the rest; now the run stops and says so."""
