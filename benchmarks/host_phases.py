@@ -6,7 +6,8 @@ Phases, timed around the engine's own calls: schedule (Scheduler.schedule), laun
 runner's, less the model forward it runs eagerly off CUDA; on CUDA a graph replay's launch is
 host work), advance (LLMEngine._advance), finish (LLMEngine._finish less the runner's wait for
 the device), detok (Detokenizer.step, inside finish). Means over decode-only steps, in us a row
-and ms a step.
+and ms a step; on CUDA also the decode graph steps' wall and GPU time (the engine's step log): a
+host whose ms a step exceed the GPU's bounds the run.
 
     python benchmarks/host_phases.py                      (CPU: the tiny preset, 220 rows)
     python benchmarks/host_phases.py --model DIR          (a GPU: bench-0.6b with a tokenizer)
@@ -105,21 +106,26 @@ def main():
     stop = None if a.no_stop else LM_EVAL_GSM8K_STOPS
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=a.tokens, stop=stop)
     print(f"{'round':>5} {'steps':>5} {'rows':>5} | us a row: schedule launch advance finish (detok) | "
-          f"host ms a step | wall s")
+          f"host ms a step | graph steps' wall / GPU ms | wall s")
     for r in range(a.rounds + 1):
         clock.steps.clear()
+        eng.step_log = []
         t = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t
+        graph = [x for x in eng.step_log if x.kind == "graph" and x.gpu_s is not None]
+        eng.step_log = None
         if r == 0 or not clock.steps:   # the first round warms up
             continue
         rows = sum(n for n, _ in clock.steps)
         us = {k: sum(s.get(k, 0.0) for _, s in clock.steps) / rows * 1e6
               for k in ("schedule", "launch", "advance", "finish", "detok")}
         host = sum(us[k] for k in ("schedule", "launch", "advance", "finish")) * rows / len(clock.steps) / 1e3
+        steps = (f"{sum(x.wall_s for x in graph) / len(graph) * 1e3:.3f} / {sum(x.gpu_s for x in graph) / len(graph) * 1e3:.3f}"
+                 if graph else "-")
         print(f"{r:>5} {len(clock.steps):>5} {rows // len(clock.steps):>5} | {us['schedule']:8.2f} "
               f"{us['launch']:6.2f} {us['advance']:7.2f} {us['finish']:6.2f} {'(%.2f)' % us['detok']:>7} | "
-              f"{host:14.3f} | {wall:6.3f}")
+              f"{host:14.3f} | {steps:>25} | {wall:6.3f}")
 
 
 if __name__ == "__main__":
