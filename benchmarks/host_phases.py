@@ -3,8 +3,7 @@ evaluation where the GPU step is shorter than the host's (an H100's host with lm
 strings: wall 4.3-5.1 ms a step against 3.8-4.0 of GPU, benchmarks/RESULTS.md).
 
 Phases, timed around the engine's own calls: schedule (Scheduler.schedule), launch (the
-runner's, less the model forward it runs eagerly off CUDA; on CUDA a graph replay's launch is
-host work), advance (LLMEngine._advance), finish (LLMEngine._finish less the runner's wait for
+runner's; off CUDA less the forward and sampling it computes there), advance (LLMEngine._advance), finish (LLMEngine._finish less the runner's wait for
 the device), detok (Detokenizer.step, inside finish). Means over decode-only steps, in us a row
 and ms a step; on CUDA also the decode graph steps' wall and GPU time (the engine's step log): a
 host whose ms a step exceed the GPU's bounds the run.
@@ -59,9 +58,9 @@ def instrument(eng, clock):
     runner = eng.runner
     clock.wrap(eng.scheduler, "schedule", "schedule")
     clock.wrap(runner, "launch", "launch")
-    clock.wrap(runner, "_run_model", "model", inside="launch")       # eager/piecewise forwards
-    if runner.device.type != "cuda":
-        clock.wrap(runner, "_sample", "model", inside="launch")        # CPU sampling is device work
+    if runner.device.type != "cuda":    # the CPU computes what a GPU's launch only queues
+        clock.wrap(runner, "_run_model", "model", inside="launch")
+        clock.wrap(runner, "_sample", "model", inside="launch")
     clock.wrap(eng, "_advance", "advance")
     clock.wrap(eng, "_finish", "finish")
     clock.wrap(runner, "finish", "wait", inside="finish")
