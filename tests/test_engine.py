@@ -484,6 +484,23 @@ def test_abort_frees_blocks_and_n_samples(tiny_ckpt):
     assert len({tuple(o.token_ids) for o in many.outputs}) > 1
 
 
+def test_aborted_queued_requests_leave_the_queue_in_order(tiny_ckpt):
+    """Requests still waiting, aborted from the middle and the end of the queue: the rest stay in
+    the order they came, are admitted so and finish; every block is free after."""
+    llm = LLM(tiny_ckpt, max_num_seqs=2)
+    engine = llm.llm_engine
+    for i in range(6):
+        engine.add_request(f"r{i}", [1 + i, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.abort_request("r5")
+    engine.abort_request("r2")
+    assert [s.request_id for s in engine.scheduler.waiting] == ["r0", "r1", "r3", "r4"]
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o.request_id for o in engine.step() if o.finished]
+    assert sorted(done[:2]) == ["r0", "r1"] and sorted(done[2:]) == ["r3", "r4"]
+    assert_all_blocks_free(llm)
+
+
 def test_text_prompt_needs_tokenizer(tmp_path):
     from asynct.model.checkpoint import make_checkpoint
     path = make_checkpoint("tiny", tmp_path, tokenizer=False)

@@ -1,6 +1,6 @@
 """Continuous batching: each step is one mixed batch, running decodes first, then prefill chunks
 filling the token budget. When blocks run out, the newest sequences are preempted (recomputed)."""
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,12 +55,14 @@ class Scheduler:
         self.admission_batch = admission_batch
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Sequence] = deque()
+        # an insertion-ordered set, not a deque: an abort takes a sequence from anywhere in it in
+        # O(1) (a deque's remove scans: aborting 20,000 queued requests newest first took 5.9 s)
+        self.waiting: OrderedDict[Sequence, None] = OrderedDict()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
     def add(self, seq: Sequence):
-        self.waiting.append(seq)
+        self.waiting[seq] = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,7 +84,7 @@ class Scheduler:
             budget -= n
         admitting = self._admitting()
         while admitting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            n = self._admit(self.waiting[0], budget)
+            n = self._admit(next(iter(self.waiting)), budget)
             if not n:
                 break
             picked.append((self.running[-1], n))
@@ -112,7 +114,7 @@ class Scheduler:
         n = min(len(seq) - len(hits) * bm.block_size, budget)
         if not bm.can_allocate(seq, n, hits):
             return 0
-        self.waiting.popleft()
+        del self.waiting[seq]
         bm.record_prefix_query(seq, hits)
         bm.allocate(seq, n, hits)
         seq.status = SequenceStatus.RUNNING
@@ -132,13 +134,14 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self.waiting[seq] = None
+        self.waiting.move_to_end(seq, last=False)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence, reason: str):
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        if seq in self.running:
+        if seq in self.waiting:
+            del self.waiting[seq]
+        elif seq in self.running:
             self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
         self.block_manager.free(seq)
