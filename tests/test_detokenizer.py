@@ -20,12 +20,7 @@ def word_llm(tmp_path_factory):
     """The tiny checkpoint with a SentencePiece-style tokenizer: each token is a word with its
     leading space written "▁", which the decoder drops at the start of a text (Llama's does)."""
     path = make_checkpoint("tiny", tmp_path_factory.mktemp("words"), seed=1)
-    vocab = {f"▁w{i}": i for i in range(256)} | {"<eos>": 256, "<pad>": 257, "<bos>": 258}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>",
-                            clean_up_tokenization_spaces=False).save_pretrained(path)
+    _word_tokenizer().save_pretrained(path)
     return LLM(path)
 
 
@@ -40,6 +35,7 @@ def test_the_first_output_word_keeps_its_leading_space(word_llm, stop):
 
 
 def _word_tokenizer():
+    """Words "▁w0".."▁w255" (SentencePiece-style spaces) and three specials."""
     vocab = {f"▁w{i}": i for i in range(256)} | {"<eos>": 256, "<pad>": 257, "<bos>": 258}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
