@@ -32,7 +32,7 @@ class PhaseClock:
     whose call encloses them."""
 
     def __init__(self):
-        self.now, self.steps, self.inner = defaultdict(float), [], defaultdict(float)
+        self.now, self.steps = defaultdict(float), []
 
     def wrap(self, obj, name, phase, inside=None):
         fn = getattr(obj, name)
