@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from asynct import LLM, SamplingParams
-from asynct.engine.core_client import CoreClient, gpus_for
+from asynct.engine.core_client import CoreClient, engine_args, gpus_for
 from asynct.engine.engine_args import EngineArgs
 from asynct.engine.llm_engine import LLMEngine
 from asynct.engine.prefix_routing import PrefixHomes, assign, pick_engine, prefix_keys
@@ -45,7 +45,7 @@ def summary(out):
 
 @pytest.fixture(scope="module")
 def dp_llm(tiny_ckpt):
-    llm = LLM(tiny_ckpt, data_parallel_size=2, **ENGINE)
+    llm = LLM(tiny_ckpt, data_parallel_size=2, seed=0, **ENGINE)
     yield llm
     llm.llm_engine.shutdown()
 
@@ -131,6 +131,21 @@ def test_two_engines_equal_one(dp_llm, tiny_ckpt):
     assert min(gen) > 0, gen             # both engines worked
     bad = dp_llm.generate([[10 ** 6], "fine"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert "outside the vocabulary" in bad[0].error and bad[1].error is None
+
+
+def test_copies_of_a_prompt_sample_apart_on_two_engines(dp_llm):
+    """Each engine draws unseeded samples from its own seed (LLM's seed + its index): seeded
+    alike, the copies of a prompt that went to the second engine repeated the first's (a task's
+    repeated samples came back in pairs)."""
+    outs = dp_llm.generate(["hi"] * 8, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 8
+    assert min(s["generation_tokens"] for s in dp_llm.llm_engine.snapshots) > 0   # both engines sampled
+
+
+def test_engines_seeds_follow_their_index():
+    args = EngineArgs(model="m", seed=5, data_parallel_size=3)
+    assert [engine_args(args, i, 3).seed for i in range(3)] == [5, 6, 7]
+    assert engine_args(args, 0, 1) is args and engine_args(EngineArgs(model="m"), 1, 2).seed is None
 
 
 def test_a_prefix_goes_back_to_the_engine_that_cached_it(dp_llm):

@@ -9,6 +9,7 @@ import os
 import queue
 import threading
 import weakref
+from dataclasses import replace
 from multiprocessing.connection import wait as wait_for
 
 from asynct.engine.core_proc import run_engine_core
@@ -189,6 +190,15 @@ def gpus_for(args: EngineArgs, size: int) -> list[str | None]:
     return ids[:size]
 
 
+def engine_args(args: EngineArgs, index: int, size: int) -> EngineArgs:
+    """Engine `index`'s args: its own seed (seed + index). With one seed each, engines drew the
+    same unseeded samples, and the copies of a prompt spread over them (a task's repeats) came
+    back alike."""
+    if size == 1 or args.seed is None:
+        return args
+    return replace(args, seed=args.seed + index)
+
+
 def start_engines(args: EngineArgs, make_engine, size: int) -> tuple[list[CoreClient], list[dict]]:
     """`size` engine processes loading their models at once, one per GPU where there are GPUs
     (size 1: one seeing what this process sees), and their ready reports. Where one cannot
@@ -196,7 +206,8 @@ def start_engines(args: EngineArgs, make_engine, size: int) -> tuple[list[CoreCl
     if size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {size}")
     gpus = gpus_for(args, size) if size > 1 else [None]
-    clients = [CoreClient(args, make_engine, i if size > 1 else None, gpu) for i, gpu in enumerate(gpus)]
+    clients = [CoreClient(engine_args(args, i, size), make_engine, i if size > 1 else None, gpu)
+               for i, gpu in enumerate(gpus)]
     try:
         return clients, [c.wait_ready() for c in clients]
     except BaseException:
