@@ -98,38 +98,90 @@ def test_generate_until_refuses_a_generation_that_leaves_no_context():
     cut its head) and the engine then failed the whole run with a prompt-length error; now a
     ValueError names both numbers before any request runs, as lm-eval's hf backend refuses it."""
     from lm_eval.api.instance import Instance
-    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64)     # max_length 63
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64)     # max_length 64
     q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
 
     def req(max_gen):
         return Instance("generate_until", {}, (q, {"until": ["\n\n"], "max_gen_toks": max_gen}), 0)
-    for max_gen in (63, 70):
-        with pytest.raises(ValueError, match=f"max_gen_toks={max_gen} .* below max_length=63"):
-            lm.generate_until([req(62), req(max_gen)], disable_tqdm=True)
+    for max_gen in (64, 70):
+        with pytest.raises(ValueError, match=f"max_gen_toks={max_gen} .* below max_length=64"):
+            lm.generate_until([req(63), req(max_gen)], disable_tqdm=True)
     assert lm.prompt_tokens["total"] == 0                  # not even the good request ran
-    assert lm.generate_until([req(62)], disable_tqdm=True)[0]     # the context's last token: still fine
+    assert lm.generate_until([req(63)], disable_tqdm=True)[0]     # the context's last token: still fine
     assert lm.prompt_tokens["total"] == 1
 
 
-def test_max_length_of_the_whole_context_scores_clipped_windows():
-    """max_length = max_model_len (the model's whole context, as lm-eval's hf backend takes it)
-    made every full rolling window max_length + 1 prompt tokens, which the engine refused: the run
-    failed with a prompt-length error that named no max_length. Windows now stop 1 short of the
-    context (scores equal max_length=63's) and generation keeps the whole max_length; past the
-    context, a ValueError says so."""
+def test_windows_of_the_whole_context_score_as_hf(hf_lm):
+    """max_length is the model's whole context (max_model_len), as lm-eval's hf backend takes
+    it, and a scored window max_length + 1 tokens: the model reads max_length, the last is the
+    request's forced sample. Windows stopped 1 short of the context, so rolling and long
+    loglikelihood scores differed from hf's, and no max_length made them agree."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
     with pytest.raises(ValueError, match=r"max_length=65 does not fit max_model_len=64"):
         AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=65)
-    from lm_eval.api.instance import Instance
+    lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64)
+    ref = HFLM(pretrained=str(MODEL), dtype="float32", device="cpu", max_length=64, batch_size=8)
+    assert lm.max_length == 64
     text = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 7\n" * 3
     rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
-    whole, clipped = (AsyncTLM(str(MODEL), dtype="float32", device="cpu", max_model_len=64, max_length=n)
-                      for n in (64, 63))
-    assert whole.max_length == 64
-    (a,), (b,) = (lm.loglikelihood_rolling(rolling, disable_tqdm=True) for lm in (whole, clipped))
-    assert math.isfinite(a) and a == pytest.approx(b, rel=1e-6)
-    (out,) = whole.generate_until([Instance("generate_until", {}, (text, {"until": ["\n\n"], "max_gen_toks": 8}), 0)],
-                                  disable_tqdm=True)
-    assert isinstance(out, str)
+    (a,), (b,) = (m.loglikelihood_rolling(rolling, disable_tqdm=True) for m in (lm, ref))
+    assert math.isclose(a, b, rel_tol=0, abs_tol=TOL)
+    pairs = [Instance("loglikelihood", {}, (text, cont), 0) for cont in (" 7", " 3 + 4 = 7")]
+    for (x, gx), (y, gy) in zip(lm.loglikelihood(pairs, disable_tqdm=True), ref.loglikelihood(pairs)):
+        assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
+    gen = [Instance("generate_until", {}, (text, {"until": ["\n\n"], "max_gen_toks": 8}), 0)]
+    assert lm.generate_until(gen, disable_tqdm=True) == ref.generate_until(gen)
+
+
+def edited_model(tmp_path, edit) -> str:
+    """A copy of the shipped model whose weights `edit` (a dict of tensors) changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    out = tmp_path / "model"
+    shutil.copytree(MODEL, out)
+    weights = load_file(out / "model.safetensors")
+    edit(weights)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+def test_is_greedy_breaks_ties_as_argmax(tmp_path):
+    """'6' given the LM-head row of '7', the answer, ties with it at the top: hf's is_greedy (the
+    argmax, the first id) holds for " 6" only; ranked by value alone, both were greedy here."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    def tie(w):
+        w["lm_head.weight"][54] = w["lm_head.weight"][55]        # '6' scores as '7'
+    path = edited_model(tmp_path, tie)
+    q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 3 + 4 ="
+    pairs = [Instance("loglikelihood", {}, (q, c), 0) for c in (" 6", " 7")]
+    got = AsyncTLM(path, dtype="float32", device="cpu").loglikelihood(pairs, disable_tqdm=True)
+    want = HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=2).loglikelihood(pairs)
+    assert math.isclose(got[0][0], got[1][0], rel_tol=0, abs_tol=TOL)     # the tie
+    assert [g for _, g in got] == [g for _, g in want] == [True, False]
+
+
+def test_until_a_special_token_stops_at_it(tmp_path):
+    """A stop string that is a special token's text ("<|pad|>" here, a chat model's
+    "<|im_end|>") stops generation at that token, as lm-eval's hf backend stops: the engine's
+    text leaves special tokens out, so the string never showed in it."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    def pad_for_hash(w):     # "<|pad|>" (257) comes where "#" (35) did
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            w[name][257] = w[name][35]
+        w["lm_head.weight"][35] = -w["lm_head.weight"][35]
+    path = edited_model(tmp_path, pad_for_hash)
+    q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer:"
+    reqs = [Instance("generate_until", {}, (q, {"until": until, "max_gen_toks": 40}), 0)
+            for until in (["<|pad|>"], ["Question:", "<|pad|>"])]
+    got = AsyncTLM(path, dtype="float32", device="cpu").generate_until(reqs, disable_tqdm=True)
+    want = HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=2).generate_until(reqs)
+    assert got == want == [" 3 + 4 = 7\n"] * 2
 
 
 def test_rolling_windows_and_empty_context_match_reference():

@@ -5,8 +5,9 @@ two per chunk of contexts that fits the KV cache), so continuous batching and pr
 all of it at once (lm-eval's `batch_size` is accepted and ignored):
 
 - `generate_until`: one request per context with its own stop strings and sampling params;
-- `loglikelihood`: prompt logprobs of context + continuation from a single prefill (max_tokens=1,
-  the sampled token is thrown away), summed over the continuation, with `is_greedy` from ranks.
+- `loglikelihood`: logprobs of context + continuation from a single prefill (the prompt's
+  logprobs, then the last token as the one sample, forced), summed over the continuation, with
+  `is_greedy` from ranks.
   Only the continuation's logprobs are asked for (`prompt_logprobs_start`), so a context that
   several requests share (a question's choices) comes from the prefix cache after its first
   request: those run first, the rest in a second `generate`;
@@ -61,8 +62,11 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
         if self.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer files; lm-eval needs text in and out")
         self._max_gen_toks = int(max_gen_toks)
-        self._max_length, self._score_length = _lengths(max_length, self.llm.llm_engine.max_model_len)
+        self._max_length = _lengths(max_length, self.llm.llm_engine.max_model_len)
         self._prefix_token_id = prefix_token_id
+        # a stop string that is a special token's text, as its id (_sampling_params)
+        self._special_ids = {t.content: i for i, t in getattr(self.tokenizer, "added_tokens_decoder", {}).items()
+                             if t.special}
         self.batch_size = batch_size  # lm-eval reads it; the engine batches by itself
         AsyncTLM.latest = self
 
@@ -154,7 +158,10 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
         # an empty stop string (a task's [""], or an EOS that decodes to "") is no stop: lm-eval's
         # post-processing skips it, and the engine refuses it, which failed the whole run
         stop = [s for s in until if s]
-        return SamplingParams(max_tokens=max_gen, stop=stop, **extra), until, max_gen
+        # the engine's text leaves special tokens out (as vLLM's), so a stop string that is one
+        # (a chat model's "<|im_end|>") never shows in it; hf's backend, decoding them in, stops there
+        stop_ids = [self._special_ids[s] for s in stop if s in self._special_ids]
+        return SamplingParams(max_tokens=max_gen, stop=stop, stop_token_ids=stop_ids, **extra), until, max_gen
 
     # ---- the engine -------------------------------------------------------------------------
     def _generate(self, prompts, params, disable_tqdm):
@@ -171,21 +178,14 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
         return outs
 
 
-def _lengths(max_length, max_model_len: int) -> tuple[int, int]:
-    """(max_length, the scored window's): a scored window is max_length + 1 prompt tokens, as
-    lm-eval's hf backend scores, so windows stop 1 short of max_model_len (then a window is the
-    whole context, as the vllm backend's at max_length = max_model_len); generation fits prompt +
-    max_gen_toks in max_length, up to max_model_len. A max_length of the model's whole context
-    (as hf takes it) once made every full window a prompt the engine refused, failing the run
-    after the rest was computed: its windows are clipped."""
-    limit = max_model_len - 1
+def _lengths(max_length, max_model_len: int) -> int:
+    """max_length: max_model_len unless given, as lm-eval's hf backend takes the model's context.
+    A scored window is max_length + 1 tokens, of which the model reads max_length
+    (lm_eval_loglikelihood.py); a generation fits prompt + max_gen_toks in max_length."""
     if not max_length:
-        return limit, limit
+        return max_model_len
     n = int(max_length)
     if not 1 <= n <= max_model_len:
         raise ValueError(f"max_length={max_length} does not fit max_model_len={max_model_len} (lower "
                          f"max_length, or raise max_model_len)")
-    if n > limit:
-        logger.warning("loglikelihood windows score %d tokens (max_model_len=%d less the first, which has no "
-                       "logits), not max_length=%s", limit, max_model_len, max_length)
-    return n, min(n, limit)
+    return n

@@ -1,18 +1,23 @@
-"""lm-eval's loglikelihood requests for `AsyncTLM`: each (context, continuation) scored from the
-prompt logprobs of one prefill, in waves that let a shared context (a question's choices) come
-from the prefix cache, and `loglikelihood_rolling`'s windows scored the same way."""
+"""lm-eval's loglikelihood requests for `AsyncTLM`: each (context, continuation) scored by one
+prefill, in waves that let a shared context (a question's choices) come from the prefix cache,
+and `loglikelihood_rolling`'s windows scored the same way.
+
+A window is max_length + 1 tokens, as lm-eval's hf backend scores it: the model reads all but the
+last (max_length, up to the whole context), the prompt logprobs score the continuation's tokens
+in it, and the last token is the request's one sample, forced by allowed_token_ids (whose
+logprob and rank are the raw logits', as vLLM returns them)."""
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from asynct.engine.sampling_params import SamplingParams
 
 
 class LoglikelihoodMixin:
-    """AsyncTLM's loglikelihood methods. They read its llm, _score_length, prefix_token_id and
+    """AsyncTLM's loglikelihood methods. They read its llm, max_length, prefix_token_id and
     cache_hook, and run their prompts with its tok_encode and _generate."""
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
         """requests: ((context, continuation) or None, context_ids, continuation_ids)."""
-        keep = self._score_length + 1   # as the hf backend: max_length predictions after 1 context token
+        keep = self.max_length + 1   # as the hf backend: max_length predictions after 1 context token
         inputs, ctxlens = [], []
         for _, ctx, cont in requests:
             whole = (ctx + cont)[-keep:]
@@ -22,22 +27,23 @@ class LoglikelihoodMixin:
         outs = self._continuation_logprobs(inputs, ctxlens, disable_tqdm)
         res = []
         for (key, _, _), ids, n_ctx, out in zip(requests, inputs, ctxlens, outs):
-            answer = _continuation_logprob(ids, out.prompt_logprobs, n_ctx)
+            answer = _continuation_logprob(ids, out.prompt_logprobs + out.outputs[0].logprobs, n_ctx)
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)
             res.append(answer)
         return res
 
     def _continuation_logprobs(self, inputs, ctxlens, disable_tqdm):
-        """Each input's RequestOutput with the prompt logprobs of its tokens from its ctxlen on
-        (prompt_logprobs=0: the token's own logprob and rank, no top-k lists)."""
-        params = [SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=n)
-                  for n in ctxlens]
+        """Each input's RequestOutput: all but its last token as the prompt, with the prompt
+        logprobs from its ctxlen on, and the last token as its one sample (=0: the token's own
+        logprob and rank, no top-k lists)."""
+        params = [SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=ids[-1:], logprobs=0,
+                                 prompt_logprobs=0, prompt_logprobs_start=n) for ids, n in zip(inputs, ctxlens)]
         outs = [None] * len(inputs)
         engine = self.llm.llm_engine
         budget = engine.num_kv_blocks * engine.args.block_size // 2
         for wave in _context_waves(inputs, ctxlens, engine.args.block_size, budget):
-            done = self._generate([{"prompt_token_ids": inputs[i]} for i in wave], [params[i] for i in wave],
+            done = self._generate([{"prompt_token_ids": inputs[i][:-1]} for i in wave], [params[i] for i in wave],
                                   disable_tqdm)
             for i, out in zip(wave, done):
                 outs[i] = out
@@ -48,7 +54,7 @@ class LoglikelihoodMixin:
         for i, (text,) in enumerate(r.args for r in requests):
             for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
                     token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                    max_seq_len=self._score_length, context_len=1)):
+                    max_seq_len=self.max_length, context_len=1)):
                 windows.append((None, ctx, cont))
                 owner.append(i)
         scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)
@@ -82,10 +88,11 @@ def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
     return [wave for chunk in waves for wave in chunk if wave]
 
 
-def _continuation_logprob(ids, prompt_logprobs, n_ctx) -> tuple[float, bool]:
-    """Sum of the continuation tokens' logprobs; greedy when each was the top-ranked token."""
+def _continuation_logprob(ids, logprobs, n_ctx) -> tuple[float, bool]:
+    """Sum of the continuation tokens' logprobs (`logprobs[p]`: token p's entry); greedy when
+    each was the top-ranked token, which is the argmax's pick (ties rank by token id)."""
     total, greedy = 0.0, True
-    for tok, entry in zip(ids[n_ctx:], prompt_logprobs[n_ctx:]):
+    for tok, entry in zip(ids[n_ctx:], logprobs[n_ctx:]):
         lp = entry[tok]
         total += lp.logprob
         greedy = greedy and lp.rank == 1
