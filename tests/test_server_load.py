@@ -245,7 +245,9 @@ def test_client_that_leaves_aborts_its_request(asgi, path, n, how, stream, messa
 
 
 def test_queue_limit_429(tiny_ckpt):
-    """One sequence at a time and one queued: a third request gets 429; below the limit all finish."""
+    """One sequence at a time and one queued: a third request gets 429, and so does a second of
+    n=2 (sequences count, as the engine counts them); below the limit all finish. A request larger
+    than the batch and the queue together gets 400 (a 429 had it retry for good)."""
     app = make_app(tiny_ckpt, served_model_name="tiny", max_num_seqs=1, max_queued_requests=1, num_kv_blocks=400)
     body = {"model": "tiny", "prompt": "hold the line", "temperature": 0, "max_tokens": 4}
 
@@ -260,6 +262,8 @@ def test_queue_limit_429(tiny_ckpt):
                 lines = long.aiter_lines()     # kept: a dropped iterator closes the response
                 await anext(lines)             # running now, and it holds the only slot
                 await until(client, url, "num_requests_running", 1)
+                doubled = await client.post(url + "/v1/completions", json={**body, "n": 2, "temperature": 1})
+                assert doubled.status_code == 429, doubled.text     # 1 + 2 sequences, past the 2 taken
                 queued = asyncio.create_task(client.post(url + "/v1/completions", json=body))
                 await until(client, url, "num_requests_in_flight", 2)
                 refused = await client.post(url + "/v1/completions", json=body)
@@ -269,6 +273,10 @@ def test_queue_limit_429(tiny_ckpt):
             assert (await queued).status_code == 200
             ok = await client.post(url + "/v1/completions", json=body)
             assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+            for big, param in (({"prompt": ["a", "b", "c"]}, "prompt"), ({"n": 3, "temperature": 1}, "n")):
+                r = await client.post(url + "/v1/completions", json={**body, **big})
+                assert r.status_code == 400 and "takes at most 2 at once" in r.json()["error"]["message"], r.text
+                assert r.json()["error"]["param"] == param
 
     with ServerThread(app) as url:
         asyncio.run(go(url))

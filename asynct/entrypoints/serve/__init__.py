@@ -25,8 +25,8 @@ def add_parser(sub):
     p.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM's command lines; asynct checkpoints run no code of their own")
     p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="requests that may wait beyond the running batch (--max-num-seqs); more get 429 "
-                        "(default: no limit)")
+                   help="sequences (prompts x n) that may wait beyond the running batch (--max-num-seqs); "
+                        "more get 429 (default: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413 (default: 16 MiB)")
     add_limit_args(p)
     p.add_argument("--log-level", default="info", help="asynct's log level")

@@ -37,8 +37,9 @@ class RequestHandle:
     """One HTTP request's engine requests (one per prompt): the loop `put`s their outputs as they
     come, `updates` reads them."""
 
-    def __init__(self, engine: "AsyncEngine", rids: list[str]):
+    def __init__(self, engine: "AsyncEngine", rids: list[str], n: int = 1):
         self.engine, self.rids = engine, rids
+        self.n = n                     # sequences a prompt runs (SamplingParams.n)
         self.ready: dict = {}          # prompt index -> its newest output (or EngineError) not yet read
         self.waiter: asyncio.Future | None = None
         self.observe = None            # called with each (prompt index, output) put (metrics.LatencyStats)
@@ -117,6 +118,7 @@ class AsyncEngine:
         self.summary = infos[0].get("summary", {})   # the engine's build, for the start-up log line
         # rid -> (handle, prompt index, output so far, engine index); loop thread only
         self.routes: dict[str, tuple[RequestHandle, int, RequestOutput, int]] = {}
+        self.num_seqs = 0      # the routes' sequences (a prompt runs its handle's n)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ids = itertools.count()
         self.stopping: str | None = None
@@ -163,12 +165,10 @@ class AsyncEngine:
         if self.stopping or not live:
             raise EngineError(self.dead or "every engine process has exited; restart the server", 503)
         if self.max_queued_requests is not None:
-            batch = self.args.max_num_seqs * len(live)
-            if len(self.routes) + len(prompts) > batch + self.max_queued_requests:
-                queued = max(0, len(self.routes) - batch)
-                raise QueueFull(f"{queued} requests are queued (limit {self.max_queued_requests}); retry later")
+            self._check_queue(len(prompts) * params.n, len(live))
         base = f"req-{next(self.ids)}"
-        handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))])
+        handle = RequestHandle(self, [f"{base}-{i}" for i in range(len(prompts))], params.n)
+        self.num_seqs += len(prompts) * params.n
         for i, (rid, ids) in enumerate(zip(handle.rids, prompts)):
             # hashing every block of a long prompt costs the event loop ms: only routing needs it
             keys = prefix_keys(ids, self.args.block_size) if len(self.engines) > 1 else []
@@ -177,6 +177,18 @@ class AsyncEngine:
             self.routes[rid] = (handle, i, RequestOutput(rid, None, ids, None, [], False), k)
             self.engines[k].client.add((rid, ids, params, stream))
         return handle
+
+    def _check_queue(self, num_seqs: int, num_live: int):
+        """Sequences (prompts x n, as the engines' max_num_seqs counts them) past the running
+        batches count as queued. A request larger than batches + queue could never be taken:
+        ValueError (a 400), where a 429 had it retry for good."""
+        room = self.args.max_num_seqs * num_live + self.max_queued_requests
+        if num_seqs > room:
+            raise ValueError(f"the request runs {num_seqs} sequences (prompts x n); this server takes at most "
+                             f"{room} at once (--max-num-seqs x engines + --max-queued-requests)")
+        if self.num_seqs + num_seqs > room:
+            queued = max(0, self.num_seqs - self.args.max_num_seqs * num_live)
+            raise QueueFull(f"{queued} sequences are queued (limit {self.max_queued_requests}); retry later")
 
     def abort(self, rids: list[str], client_left: bool = True):
         """`client_left`: counted in /metrics' requests_aborted_total (the server's own aborts, of a
@@ -194,6 +206,7 @@ class AsyncEngine:
         route = self.routes.pop(rid, None)
         if route is not None:
             self.engines[route[3]].num_in_flight -= 1
+            self.num_seqs -= route[0].n
         return route
 
     @property

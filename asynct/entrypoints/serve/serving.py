@@ -216,6 +216,8 @@ class ServingContext:
             handle = self.engine.submit(prompts, params, stream)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full") from None
+        except ValueError as e:
+            raise ApiError(400, str(e), param="n" if params.n > 1 else "prompt") from None
         except EngineError as e:
             raise ApiError(e.status, str(e)) from None
         self.latency.track(handle, stream)
