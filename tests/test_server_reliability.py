@@ -123,6 +123,12 @@ SAMPLING = [
     ("n as a bool", {"n": True}, "n"),
     ("stream as a string", {"stream": "yes"}, "stream"),
     ("stop as an int", {"stop": 5}, "stop"),
+    # each stop string is searched for in every new token of every choice: 100,000 slowed the
+    # batch beside them 70x; vLLM's server takes 4, this one --max-stop-strings (16)
+    ("17 stop strings", {"stop": [f"s{i}" for i in range(17)]}, "17 stop strings; this server takes at most 16"),
+    # tokenised, each is a check every step: vLLM takes 128 sequences; 400,000 held every
+    # tokenising thread a minute, and other requests failed meanwhile
+    ("129 bad words", {"bad_words": [f"w{i}" for i in range(129)]}, "129 bad_words; at most 128"),
 ]
 
 
@@ -178,6 +184,39 @@ def test_request_chat_template_is_refused_or_time_limited(server, alone):
         assert httpx.get(url + "/health", timeout=2).status_code == 200
     finally:
         app.state.limits.trust_request_chat_template = False
+
+
+def test_tokenising_workers_charge_a_job_its_own_time():
+    """A job's timeout counts from its start: one that waited behind another client's slow job
+    and then ran in time succeeds (its wait counted, it failed with "took over"), one that
+    could not start in time is a WorkersBusy (the server's 503), and a given-up job never runs."""
+    from asynct.entrypoints.serve.serving import Workers, WorkersBusy
+    ran = []
+
+    async def go():
+        w = Workers(num_threads=1)
+        first = asyncio.ensure_future(w.run(1.0, time.sleep, 0.3))
+        await asyncio.sleep(0.05)
+        assert await w.run(0.35, lambda: time.sleep(0.2) or "ran in time") == "ran in time"   # waited 0.25
+        await first
+        slow = asyncio.ensure_future(w.run(0.2, time.sleep, 0.6))
+        await asyncio.sleep(0.05)
+        with pytest.raises(WorkersBusy):
+            await w.run(0.2, ran.append, "given up")
+        with pytest.raises(TimeoutError):
+            await slow
+        await asyncio.sleep(0.6)
+        assert await w.run(0.2, lambda: "next") == "next"
+        w.stop()
+    asyncio.run(go())
+    assert ran == []
+
+
+def test_a_body_that_is_not_json_says_so(url):
+    """curl -d sends a form type: the body was read as bytes, and the 400 said it was no object."""
+    r = httpx.post(url + "/v1/completions", content=b'{"model": "tiny", "prompt": "hi"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400 and "Only 'application/json' is allowed" in r.json()["error"]["message"], r.text
 
 
 def test_huge_text_prompt_is_refused_before_tokenising(url, alone):

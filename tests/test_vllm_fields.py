@@ -203,6 +203,12 @@ def test_bad_words_tokenise_as_vllm():
     assert ids == [[1], [2], [3, 4], [5, 4], [6], [9]]
     with pytest.raises(ValueError, match="bad_words .* outside the vocabulary"):
         bad_words_token_ids(FakeTokenizer(), ["two words"], 4)
+    # at most 128 token sequences, as vLLM: "bad" is two; more than 128 words, none tokenised
+    assert len(bad_words_token_ids(FakeTokenizer(), ["bad"] * 64, 100)) == 128
+    with pytest.raises(ValueError, match="130 token sequences .* at most 128"):
+        bad_words_token_ids(FakeTokenizer(), ["bad"] * 65, 100)
+    with pytest.raises(ValueError, match="129 bad_words; at most 128"):
+        bad_words_token_ids(None, ["bad"] * 129, 100)
 
 
 LETTERS = list(range(97, 123))      # the outputs are held to ASCII letters: bad words are text

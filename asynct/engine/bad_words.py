@@ -9,9 +9,16 @@ from asynct.attention.base import host_to_device_many
 from asynct.engine.detokenizer import check_unicode
 
 
+MAX_NUM_BAD_WORDS = 128   # token sequences, as vLLM's VLLM_MAX_NUM_BAD_WORDS
+
+
 def bad_words_token_ids(detokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
     """vLLM's SamplingParams.update_from_tokenizer; ValueError naming bad_words where a word has
-    no token, or a token the model's vocabulary lacks."""
+    no token, or a token the model's vocabulary lacks, or past MAX_NUM_BAD_WORDS token sequences
+    (each word is one or two; every step checks each). Refused before the tokenizer runs where
+    the words alone are too many: a server's 400,000 words held its tokenising threads a minute."""
+    if len(words) > MAX_NUM_BAD_WORDS:
+        raise ValueError(f"{len(words)} bad_words; at most {MAX_NUM_BAD_WORDS} (as vLLM)")
     out = []
     for word in words:
         check_unicode(word, "bad_words entry")
@@ -22,6 +29,9 @@ def bad_words_token_ids(detokenizer, words: list[str], vocab_size: int) -> list[
         spaced = detokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
             out.append(spaced)
+    if len(out) > MAX_NUM_BAD_WORDS:
+        raise ValueError(f"bad_words tokenize to {len(out)} token sequences (a word and its spaced form); at "
+                         f"most {MAX_NUM_BAD_WORDS} (as vLLM)")
     bad = sorted({t for ids in out for t in ids if not 0 <= t < vocab_size})
     if bad:
         raise ValueError(f"bad_words tokenize to ids outside the vocabulary (size {vocab_size}): {bad[:8]}")

@@ -73,11 +73,13 @@ def add_limit_args(p):
                    help="seconds an idle keep-alive connection stays open")
     g.add_argument("--max-connections", type=int, default=d.max_connections,
                    help="open connections; more are closed at once")
+    g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="stop strings one request may give; more get 400")
 
 
 def server_limits(a):
     return ServerLimits(a.max_n, a.max_choices, a.max_prompt_chars, a.trust_request_chat_template, a.render_timeout,
-                        a.header_timeout, a.keep_alive_timeout, a.max_connections)
+                        a.header_timeout, a.keep_alive_timeout, a.max_connections, a.max_stop_strings)
 
 
 def cmd_serve(a):

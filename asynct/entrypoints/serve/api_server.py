@@ -119,7 +119,11 @@ def add_error_handlers(app: FastAPI):
         # OpenAI answers 400 for a body it cannot use, malformed JSON included
         errs = e.errors()
         param = None
-        if any(err.get("type") == "json_invalid" for err in errs):
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media and media != "application/json":
+            # FastAPI reads such a body as bytes, and said it was no object (curl -d sends a form type)
+            msg = f"Unsupported Media Type: Only 'application/json' is allowed (Content-Type: {media})"
+        elif any(err.get("type") == "json_invalid" for err in errs):
             # its loc holds the character offset of the parse error, which no field is called
             msg = "malformed JSON body: " + "; ".join(str(err.get("ctx", {}).get("error", err["msg"])) for err in errs)
         else:

@@ -14,3 +14,4 @@ class ServerLimits:
     header_timeout: float = 10.0              # seconds for a request's headers to arrive
     keep_alive_timeout: int = 5               # seconds an idle connection stays open
     max_connections: int = 2048               # open connections; more are closed at once
+    max_stop_strings: int = 16                # each one is searched for in every new token of every choice

@@ -31,6 +31,10 @@ def error_body(status: int, message: str, code=None, param=None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}
 
 
+class WorkersBusy(Exception):
+    """Every worker stayed busy with other jobs for the whole timeout."""
+
+
 class Workers:
     """Daemon threads that tokenise and render chat templates off the event loop. Daemons, so
     that work which never ends cannot keep the process from exiting; started by the first job
@@ -42,11 +46,19 @@ class Workers:
         self.threads: list[threading.Thread] = []
 
     async def run(self, timeout: float, fn, *args):
-        """fn(*args) in a worker; raises TimeoutError after `timeout` seconds (the worker runs on)."""
+        """fn(*args) in a worker. Raises TimeoutError where it runs over `timeout` seconds (the
+        worker runs on), and WorkersBusy where it waited that long for a worker: counted from
+        enqueueing, a request queued behind another client's slow jobs failed as if its own
+        work were too slow. A job whose request gave up waiting (or left) is skipped."""
         if not self.threads:
             self.start()
-        future = asyncio.get_running_loop().create_future()
-        self.jobs.put((future, fn, args))
+        loop = asyncio.get_running_loop()
+        started, future = loop.create_future(), loop.create_future()
+        self.jobs.put((started, future, fn, args))
+        try:
+            await asyncio.wait_for(started, timeout)     # cancels `started` on a timeout or a cancel
+        except TimeoutError:
+            raise WorkersBusy from None
         return await asyncio.wait_for(future, timeout)
 
     def start(self):
@@ -63,7 +75,13 @@ class Workers:
 
     def _work(self):
         while (job := self.jobs.get()) is not None:
-            future, fn, args = job
+            started, future, fn, args = job
+            if started.done():
+                continue
+            try:
+                future.get_loop().call_soon_threadsafe(_settle, started, None, None)
+            except RuntimeError:      # the loop closed meanwhile
+                continue
             try:
                 result, error = fn(*args), None
             except Exception as e:
@@ -123,6 +141,9 @@ class ServingContext:
         except TimeoutError:
             raise ApiError(400, f"tokenising or rendering the chat template took over "
                                 f"{self.limits.render_timeout:g} s") from None
+        except WorkersBusy:
+            raise ApiError(503, f"the server's tokenising threads stayed busy with other requests for "
+                                f"{self.limits.render_timeout:g} s; retry later") from None
 
     def check_model(self, model: str | None):
         if model is not None and model not in self.aliases:
@@ -154,6 +175,9 @@ class ServingContext:
         sampling value that does not fit the model (top_k past the vocabulary) names its field.
         Returns the prompt as it runs: truncated where the request asks (truncate_prompt_tokens)."""
         ids = self.truncate(ids, body)
+        if len(params.stop_list) > self.limits.max_stop_strings:
+            raise ApiError(400, f"{len(params.stop_list)} stop strings; this server takes at most "
+                                f"{self.limits.max_stop_strings} (--max-stop-strings)", param="stop")
         try:
             self.engine.check_prompt(ids, params)
             # the engine process would refuse them too, but only after a stream's 200 had gone
