@@ -134,6 +134,23 @@ def test_windows_of_the_whole_context_score_as_hf(hf_lm):
     assert lm.generate_until(gen, disable_tqdm=True) == ref.generate_until(gen)
 
 
+def test_add_bos_token_encodes_as_hf():
+    """model_args add_bos_token, as lm-eval's hf backend takes it (the tokenizer loaded with it,
+    then special tokens as it says): it was an unknown option."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    pairs = [Instance("loglikelihood", {}, ("Question: 2 + 2 =", " 4"), 0)]
+    for flag, first in ((True, [258, 104]), ("false", [104, 105])):
+        lm = AsyncTLM(str(MODEL), dtype="float32", device="cpu", add_bos_token=flag)
+        ref = HFLM(pretrained=str(MODEL), dtype="float32", device="cpu", add_bos_token=flag == True)  # noqa: E712
+        assert lm.tok_encode("hi")[:2] == ref.tok_encode("hi")[:2] == first
+        assert lm.tok_encode("<|bos|>hi") == ref.tok_encode("<|bos|>hi") == [258, 104, 105]
+        ((x, gx),), ((y, gy),) = lm.loglikelihood(pairs, disable_tqdm=True), ref.loglikelihood(pairs)
+        assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
+    with pytest.raises(ValueError, match="add_bos_token must be True or False"):
+        AsyncTLM(str(MODEL), dtype="float32", device="cpu", add_bos_token="maybe")
+
+
 def edited_model(tmp_path, edit) -> str:
     """A copy of the shipped model whose weights `edit` (a dict of tensors) changed."""
     import shutil

@@ -29,6 +29,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import (handle_stop_sequences, normalize_gen_kwargs,
                                   postprocess_generated_text)
 
+from asynct.engine.engine_args import as_flag
 from asynct.engine.sampling_params import SamplingParams
 from asynct.integrations.lm_eval_args import _SAMPLING_KEYS, _engine_args, _refuse_unsupported
 from asynct.integrations.lm_eval_loglikelihood import LoglikelihoodMixin
@@ -44,7 +45,7 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
 
     def __init__(self, pretrained: str, batch_size=None, max_gen_toks: int = _DEFAULT_MAX_GEN_TOKS,
                  max_length: int | None = None, prefix_token_id: int | None = None, seed: int | None = _DEFAULT_SEED,
-                 max_batch_size: int | None = None, **engine_kwargs):
+                 max_batch_size: int | None = None, add_bos_token: bool | None = None, **engine_kwargs):
         super().__init__()
         from asynct import LLM
         t0 = time.perf_counter()
@@ -54,6 +55,7 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
         # --max_batch_size bounds the engine's batch, as the vllm backend makes it vLLM's max_num_seqs
         if max_batch_size is not None:
             engine_kwargs.setdefault("max_num_seqs", max_batch_size)
+        self.add_bos_token = None if add_bos_token is None else as_flag("add_bos_token", add_bos_token)
         self.llm = LLM(str(pretrained), **{"lazy_decode_graphs": True,
                                            **_engine_args({"seed": seed, **engine_kwargs})})
         self.timings = {"load": time.perf_counter() - t0, "engine": 0.0}
@@ -61,6 +63,9 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
         self.tokenizer = self.llm.get_tokenizer()
         if self.tokenizer is None:
             raise ValueError(f"{pretrained} has no tokenizer files; lm-eval needs text in and out")
+        if self.add_bos_token is not None:   # as lm-eval's hf backend, the tokenizer loaded with it
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer.name_or_path, add_bos_token=self.add_bos_token)
         self._max_gen_toks = int(max_gen_toks)
         self._max_length = _lengths(max_length, self.llm.llm_engine.max_model_len)
         self._prefix_token_id = prefix_token_id
@@ -95,10 +100,12 @@ class AsyncTLM(LoglikelihoodMixin, TemplateLM):
         return self.tokenizer.name_or_path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        # as lm-eval's hf backend: a string that already starts with BOS gets no second one
+        # as lm-eval's hf backend: special tokens unless add_bos_token says otherwise, and a
+        # string that already starts with BOS gets no second one
         bos = self.tokenizer.bos_token
         if add_special_tokens is None:
-            add_special_tokens = not (bos and string.startswith(bos))
+            starts_with_bos = bool(bos) and string.startswith(bos)
+            add_special_tokens = not starts_with_bos and self.add_bos_token is not False
         return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, chat_history, add_generation_prompt: bool = True) -> str:

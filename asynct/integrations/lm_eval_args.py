@@ -42,7 +42,7 @@ def _engine_args(kw: dict) -> dict:
                     else type(types[k]).__name__
                 raise ValueError(f"asynct model_args option {k}={v!r}: not a {kind}") from None
         elif k not in ("trust_remote_code", "parallelize"):
-            raise ValueError(f"unknown asynct model_args option {k!r}; options: pretrained, max_gen_toks, "
+            raise ValueError(f"unknown asynct model_args option {k!r}; options: pretrained, max_gen_toks, add_bos_token, "
                              f"max_length, prefix_token_id, and the engine's {', '.join(sorted(types))}")
     return out
 
