@@ -256,6 +256,16 @@ def test_vllm_s_sampling_fields_are_taken():
     SamplingParams(bad_words=["x"], truncate_prompt_tokens=8)
 
 
+def test_a_bad_max_tokens_is_the_one_complaint():
+    """max_tokens=-5 also said "min_tokens=0 exceeds max_tokens=-5" (review)."""
+    for kw, message in ((dict(max_tokens=-5), "max_tokens must be >= 1, got -5"),
+                        (dict(max_tokens=0, min_tokens=1), "max_tokens must be >= 1, got 0"),
+                        (dict(max_tokens=2, min_tokens=5), "min_tokens=5 exceeds max_tokens=2")):
+        with pytest.raises(ValueError) as e:
+            SamplingParams(**kw)
+        assert str(e.value) == f"invalid SamplingParams: {message}"
+
+
 # ---- penalties, logit_bias, allowed_token_ids ------------------------------------------------
 BAD_ADJUSTMENTS = [
     ("presence_penalty", 2.5, r"must be in \[-2, 2\], got 2.5"), ("presence_penalty", "1", "finite number"),

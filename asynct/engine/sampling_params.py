@@ -132,7 +132,7 @@ class SamplingParams:
             (not 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (self.max_tokens is not None and self.max_tokens < 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.min_tokens < 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is not None and self.min_tokens > self.max_tokens,
+            (self.max_tokens is not None and 1 <= self.max_tokens < self.min_tokens,
              f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}"),
             (self.logprobs is not None and self.logprobs < 0, f"logprobs must be >= 0, got {self.logprobs}"),
             (self.prompt_logprobs is not None and self.prompt_logprobs < 0,
