@@ -260,6 +260,8 @@ def test_models_health_metrics(url):
     models = httpx.get(url + "/v1/models", headers=AUTH).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048
     assert httpx.get(url + "/health").json() == {"status": "ok"}     # open without the key
+    from asynct import __version__
+    assert httpx.get(url + "/version").json() == {"version": __version__}     # vLLM's, open too
     text = httpx.get(url + "/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_blocks_used", "kv_blocks_free",
                  "prefix_cache_hit_rate", "generation_tokens_per_second", "generation_tokens_total"):

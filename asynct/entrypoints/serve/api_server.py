@@ -24,7 +24,7 @@ from asynct.entrypoints.serve.limits import ServerLimits
 from asynct.entrypoints.serve.serving import ApiError, ServingContext, error_body
 
 log = logging.getLogger("asynct.serve")
-PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # /health, /metrics stay open
+PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # /health, /version, /metrics stay open
 
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 16 << 20,
@@ -67,6 +67,11 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "asynct",
                 "max_model_len": ctx.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/version")
+    async def version():     # vLLM's: an operator's check of what runs
+        from asynct import __version__
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():
