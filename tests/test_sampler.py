@@ -197,6 +197,24 @@ def test_a_sequences_bias_and_allowed_tokens_go_to_the_device_once():
     assert CountingDict.reads <= 2 and CountingList.reads <= 2
 
 
+def test_a_steps_new_allowed_tokens_and_biases_go_in_one_copy_each(monkeypatch):
+    """A loglikelihood step of lm-eval's forces each request's last token (allowed_token_ids):
+    one copy a new row. Now a step's new rows share one copy for their allowed ids and one for
+    their biases; later steps send none."""
+    import asynct.engine.penalties as penalties
+    rows = [([3], [], dict(temperature=0, allowed_token_ids=[5 + k], logit_bias={k: 1.0} if k % 2 else None))
+            for k in range(4)]
+    seqs = make_seqs(rows)
+    sent, real = [], penalties.host_to_device_many
+    monkeypatch.setattr(penalties, "host_to_device_many", lambda parts, dev: sent.append(len(parts)) or real(parts, dev))
+    for step in range(2):
+        logits = awkward_logits(rows, step)
+        assert torch.equal(penalties.adjust_logits(logits, seqs), reference(logits, rows))
+        # each _flat_index sends its offsets and sizes: 2 parts
+        assert sorted(sent) == ([2, 2, 4, 4] if step == 0 else [2, 2]), sent
+        sent.clear()
+
+
 def test_penalty_counts_kept_between_steps_equal_the_reference():
     """The engine keeps each penalised sequence's counts on the device between steps and adds
     only the tokens received since (plus, for one step, the one pending there). Over steps of

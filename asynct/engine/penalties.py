@@ -44,9 +44,10 @@ def _allow(logits, seqs):
     if not rows:
         return
     dev, vocab = logits.device, logits.shape[1]
+    _send_allowed_ids([seqs[i] for i in rows], dev)
     blocked = torch.zeros(logits.shape, dtype=torch.bool, device=dev)
     blocked[host_to_device(rows, torch.long, dev)] = True
-    blocked.view(-1)[_flat_index([_allowed_ids(seqs[i], dev) for i in rows], rows, vocab, dev)] = False
+    blocked.view(-1)[_flat_index([seqs[i].allowed_ids_device for i in rows], rows, vocab, dev)] = False
     logits.masked_fill_(blocked, float("-inf"))
 
 
@@ -54,24 +55,34 @@ def _bias(logits, seqs):
     rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
     if not rows:
         return
-    biases = [_device_bias(seqs[i], logits.device) for i in rows]
+    _send_biases([seqs[i] for i in rows], logits.device)
+    biases = [seqs[i].bias_device for i in rows]
     flat = _flat_index([ids for ids, _ in biases], rows, logits.shape[1], logits.device)
     logits.view(-1).index_add_(0, flat, torch.cat([values for _, values in biases]))
 
 
-def _allowed_ids(seq, dev) -> torch.Tensor:
-    """A sequence's allowed_token_ids on the device, sent once (not a host list every step)."""
-    if seq.allowed_ids_device is None:
-        seq.allowed_ids_device = host_to_device(seq.params.allowed_token_ids, torch.long, dev)
-    return seq.allowed_ids_device
+def _send_allowed_ids(seqs, dev):
+    """Each sequence's allowed_token_ids on the device, sent once (not a host list every step),
+    and those of a step's new sequences in one copy: one copy each cost a loglikelihood step
+    (lm-eval's, each request forcing its last token) a copy a row."""
+    new = [s for s in seqs if s.allowed_ids_device is None]
+    if new:
+        for s, ids in zip(new, host_to_device_many([(s.params.allowed_token_ids, torch.long) for s in new], dev)):
+            s.allowed_ids_device = ids
 
 
-def _device_bias(seq, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sequence's logit_bias as (token ids, biases) on the device, sent once."""
-    if seq.bias_device is None:
-        ids, values = zip(*seq.params.logit_bias.items())
-        seq.bias_device = host_to_device(ids, torch.long, dev), host_to_device(values, torch.float32, dev)
-    return seq.bias_device
+def _send_biases(seqs, dev):
+    """Each sequence's logit_bias as (token ids, biases) on the device, sent once; a step's new
+    sequences' in one copy."""
+    new = [s for s in seqs if s.bias_device is None]
+    if new:
+        parts = []
+        for s in new:
+            ids, values = zip(*s.params.logit_bias.items())
+            parts += [(ids, torch.long), (values, torch.float32)]
+        sent = host_to_device_many(parts, dev)
+        for k, s in enumerate(new):
+            s.bias_device = sent[2 * k], sent[2 * k + 1]
 
 
 def _flat_index(ids: list[torch.Tensor], rows: list[int], vocab: int, dev) -> torch.Tensor:
