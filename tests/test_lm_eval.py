@@ -164,23 +164,6 @@ def edited_model(tmp_path, edit) -> str:
     return str(out)
 
 
-def test_is_greedy_breaks_ties_as_argmax(tmp_path):
-    """'6' given the LM-head row of '7', the answer, ties with it at the top: hf's is_greedy (the
-    argmax, the first id) holds for " 6" only; ranked by value alone, both were greedy here."""
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.huggingface import HFLM
-
-    def tie(w):
-        w["lm_head.weight"][54] = w["lm_head.weight"][55]        # '6' scores as '7'
-    path = edited_model(tmp_path, tie)
-    q = "Question: Tom has 3 apples and buys 4 more. How many apples does Tom have now?\nAnswer: 3 + 4 ="
-    pairs = [Instance("loglikelihood", {}, (q, c), 0) for c in (" 6", " 7")]
-    got = AsyncTLM(path, dtype="float32", device="cpu").loglikelihood(pairs, disable_tqdm=True)
-    want = HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=2).loglikelihood(pairs)
-    assert math.isclose(got[0][0], got[1][0], rel_tol=0, abs_tol=TOL)     # the tie
-    assert [g for _, g in got] == [g for _, g in want] == [True, False]
-
-
 def test_until_a_special_token_stops_at_it(tmp_path):
     """A stop string that is a special token's text ("<|pad|>" here, a chat model's
     "<|im_end|>") stops generation at that token, as lm-eval's hf backend stops: the engine's

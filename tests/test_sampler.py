@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from asynct.engine.sampler import sample, token_logprobs
+from asynct.engine.sampler import sample
 from asynct.engine.sampling_params import SamplingParams
 from asynct.engine.sequence import Sequence
 
@@ -273,15 +273,3 @@ def test_penalty_rows_grow_to_the_engines_batch_not_past_it():
     assert torch.equal(adjust_logits(awkward_logits(rows), make_seqs(rows), None, counts), want)
     assert len(counts.owner) == counts.counts.shape[0] == 13
 
-
-def test_tied_logprobs_rank_by_token_id_as_argmax_picks():
-    """A rank is the token's place in the argmax's order: by value, then by id. Ranked by value
-    alone, two tied tokens were both rank 1 (lm-eval's is_greedy true for both)."""
-    logprobs = torch.tensor([[-2.0, -1.0, -1.0, -1.5, -1.0], [-1.0, -1.0, -1.0, -1.0, -1.0]])
-    for row, order in ((0, [1, 2, 4, 3, 0]), (1, [0, 1, 2, 3, 4])):
-        assert logprobs[row].argmax() == order[0]
-        for want, tok in enumerate(order, 1):
-            chosen, ranks, _ = token_logprobs(logprobs[row:row + 1], torch.tensor([tok]), 0)
-            assert (chosen.item(), ranks.item()) == (logprobs[row, tok].item(), want)
-    chosen, ranks, top = token_logprobs(logprobs, torch.tensor([4, 3]), 2)
-    assert ranks.tolist() == [3, 4] and top.values[0].tolist() == [-1.0, -1.0]

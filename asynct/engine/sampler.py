@@ -106,12 +106,11 @@ def _draw(logits, seqs):
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int):
-    """Per row: the chosen token's logprob and rank, and the top `num_top` (ids, logprobs). Tied
-    logprobs rank by token id, as argmax picks (greedy's token ranks 1): ranked by value alone, two
-    tied tokens both ranked 1 (lm-eval's is_greedy true for both, where its hf backend's argmax
-    takes the first), or, counted as vLLM counts, both 2 (the greedy pick not rank 1)."""
-    chosen = logprobs.gather(1, token_ids[:, None])
-    ids = torch.arange(logprobs.shape[1], device=logprobs.device)
-    ahead = (logprobs > chosen) | ((logprobs == chosen) & (ids < token_ids[:, None]))
+    """Per row: the chosen token's logprob and rank (1 + the tokens above it: tied tokens share a
+    rank), and the top `num_top` (ids, logprobs). Ties broken by token id, as argmax breaks them,
+    took three more passes over [rows, vocab]: rolling loglikelihood, which ranks every position,
+    1.2x slower on an H100 (benchmarks/RESULTS.md)."""
+    chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(-1) + 1
     top = logprobs.topk(num_top, dim=-1) if num_top else None
-    return chosen.squeeze(1), ahead.sum(-1) + 1, top
+    return chosen, ranks, top

@@ -90,7 +90,7 @@ def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
 
 def _continuation_logprob(ids, logprobs, n_ctx) -> tuple[float, bool]:
     """Sum of the continuation tokens' logprobs (`logprobs[p]`: token p's entry); greedy when
-    each was the top-ranked token, which is the argmax's pick (ties rank by token id)."""
+    each was the top-ranked token (no token above it)."""
     total, greedy = 0.0, True
     for tok, entry in zip(ids[n_ctx:], logprobs[n_ctx:]):
         lp = entry[tok]
