@@ -253,6 +253,8 @@ def test_tokenizer_routes(url, llm):
     assert info["eos_token"] == llm.get_tokenizer().eos_token and info["chat_template"]
     chat = post(url, {"messages": [{"role": "user", "content": "x"}]}, "/tokenize").json()
     assert chat["count"] > 1
+    both = post(url, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "/tokenize")
+    assert both.status_code == 400 and both.json()["error"]["message"] == "give prompt or messages, not both"
     assert check_remote_tokenizer_support(url + "/v1/completions", auth_token=KEY)
 
 

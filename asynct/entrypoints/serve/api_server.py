@@ -88,6 +88,8 @@ def add_routes(app: FastAPI, ctx: ServingContext):
     async def tokenize(body: TokenizeRequest):
         ctx.check_model(body.model)
         ctx.need_tokenizer("/tokenize")
+        if body.messages is not None and body.prompt is not None:
+            raise ApiError(400, "give prompt or messages, not both", param="messages")
         if body.messages is not None:
             ids = await ctx.off_loop(render_chat, ctx, body, body.special_tokens)
         elif body.prompt is not None:
