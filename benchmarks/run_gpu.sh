@@ -4,7 +4,7 @@
 #   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
 #           mixed-host host-phases replay-cost splitk
 #           bench engine profile profile-gsm8k prefill-profile
-#           ablation cascade serve eval eval-mc dp
+#           ablation cascade serve eval eval-mc loglikelihood dp
 #   (dp: data-parallel scaling, N = 1, 2, ... as GPUs allow; needs the nvidia-h200-x2 kind or larger)
 # A peer tree (`git archive <commit> asynct | tar -x -C peer`) runs from its own directory:
 #   (cd peer && PYTHONPATH=$PWD/peer python3 -m asynct.entrypoints.cli bench ...)
@@ -128,5 +128,8 @@ for s in $stages; do
         done ;;
     eval) [ -f benchmarks/eval_bench.py ] && timeout 300 python3 benchmarks/eval_bench.py --hf-limit 256 2>&1 | tee $OUT/eval.log ;;
     eval-mc) timeout 300 python3 benchmarks/eval_bench.py --task tiny_gsm_mc 2>&1 | tee $OUT/eval_mc.log ;;
+    loglikelihood) # lm-eval's scoring requests through AsyncTLM (MC and rolling; lm-eval from .whl)
+             [ -f $M-tok/config.json ] || python3 -c "from asynct.model.checkpoint import make_checkpoint; make_checkpoint('bench-0.6b', '$M-tok', tokenizer=True)"
+             timeout 200 python3 benchmarks/loglikelihood_bench.py --model $M-tok 2>&1 | tee $OUT/loglikelihood.log ;;
   esac
 done

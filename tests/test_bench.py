@@ -72,6 +72,17 @@ def test_host_phases_runs(tiny_ckpt):
     assert float(row[row.index("|") + 5].strip("()")) > 0, r.stdout
 
 
+def test_loglikelihood_bench_runs(tiny_ckpt):
+    """benchmarks/loglikelihood_bench.py on the CPU: both request kinds, finite score sums."""
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "loglikelihood_bench.py"), "--model", str(tiny_ckpt),
+                        "--questions", "3", "--docs", "2", "--words", "40", "--rounds", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if " round " in line]
+    assert [row.split()[0] for row in rows] == ["mc", "rolling"] and "12 requests" in rows[0], r.stdout
+    assert all(float(row.split()[-1]) < 0 for row in rows), r.stdout
+
+
 def test_bench_refuses_a_workload_whose_requests_failed(tiny_ckpt, capsys):
     """Prompts past max_model_len failed in the engine with a log line, and the row still
     reported every request and a token rate over the rest; now the run stops and says so."""
