@@ -76,20 +76,22 @@ class Workers:
     def _work(self):
         while (job := self.jobs.get()) is not None:
             started, future, fn, args = job
-            if started.done():
-                continue
-            try:
-                future.get_loop().call_soon_threadsafe(_settle, started, None, None)
-            except RuntimeError:      # the loop closed meanwhile
+            if started.done() or not _post(started, None, None):   # given up on, or the loop closed
                 continue
             try:
                 result, error = fn(*args), None
             except Exception as e:
                 result, error = None, e
-            try:
-                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
-            except RuntimeError:      # the loop closed meanwhile
-                pass
+            _post(future, result, error)
+
+
+def _post(future, result, error) -> bool:
+    """Settles `future` on its loop from a worker thread; False where the loop has closed."""
+    try:
+        future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _settle(future, result, error):
