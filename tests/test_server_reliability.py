@@ -195,9 +195,10 @@ def test_tokenising_workers_charge_a_job_its_own_time():
 
     async def go():
         w = Workers(num_threads=1)
-        first = asyncio.ensure_future(w.run(1.0, time.sleep, 0.3))
+        # waits ~0.55 s, then runs 0.4: each under its 0.75 s, the two together over it
+        first = asyncio.ensure_future(w.run(2.0, time.sleep, 0.6))
         await asyncio.sleep(0.05)
-        assert await w.run(0.35, lambda: time.sleep(0.2) or "ran in time") == "ran in time"   # waited 0.25
+        assert await w.run(0.75, lambda: time.sleep(0.4) or "ran in time") == "ran in time"
         await first
         slow = asyncio.ensure_future(w.run(0.2, time.sleep, 0.6))
         await asyncio.sleep(0.05)
