@@ -136,6 +136,8 @@ UNREADABLE_JSON = [  # (file, text, error): json's JSONDecodeError, or a bare At
     *[("config.json", text, "config.json is not a JSON object") for text in ("[]", "null", '"asynct"')],
     *[("model.safetensors.index.json", text, "model.safetensors.index.json has no weight_map")
       for text in ('{"metadata": {}}', "[]", '{"weight_map": ["model.safetensors"]}')],
+    ("model.safetensors.index.json", '{"weight_map": {"model.norm.weight": 3}}',   # a TypeError traceback
+     "maps model.norm.weight to 3, not a shard file name"),
 ]
 
 

@@ -38,6 +38,10 @@ def safetensors_files(path) -> list[Path]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):   # a KeyError or AttributeError came from here
             raise CheckpointError(path, [f"{INDEX_FILE} has no weight_map object (tensor name -> shard file)"])
+        bad = sorted(name for name, f in weight_map.items() if not isinstance(f, str))
+        if bad:   # sorting the shard names raised a TypeError (str < int)
+            raise CheckpointError(path, [f"{INDEX_FILE} maps {n} to {weight_map[n]!r}, not a shard file name"
+                                         for n in bad])
         return [path / f for f in sorted(set(weight_map.values()))]
     if (path / SINGLE_FILE).exists():
         return [path / SINGLE_FILE]
