@@ -186,3 +186,17 @@ def test_config_dtype_must_be_floating(tmp_path, tiny_ckpt, dtype):
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=f"torch_dtype='{dtype}' is not a floating dtype"):
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_tensors_must_be_floating_point(tmp_path, tiny_ckpt, dtype):
+    """An int8 (quantised) or bool tensor was cast to the model's dtype and loaded silently: the
+    engine and the reference model ran and wrote garbage."""
+    import shutil
+    shutil.copytree(tiny_ckpt, tmp_path / "ck")
+    t = load_file(tiny_ckpt / "model.safetensors")
+    t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].to(dtype)
+    save_file(t, tmp_path / "ck" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tensor model.layers.0.mlp.up_proj.weight has dtype (I8|BOOL)") as e:
+        AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
+    assert len(e.value.problems) == 1

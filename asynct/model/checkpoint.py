@@ -48,8 +48,15 @@ def safetensors_files(path) -> list[Path]:
     raise CheckpointError(path, [f"no {SINGLE_FILE} or {INDEX_FILE} found"])
 
 
-def tensor_shapes(path) -> dict[str, tuple]:
-    """Name -> shape of every tensor, read from the safetensors headers only."""
+def is_floating(safetensors_dtype: str) -> bool:
+    """F32, F16, BF16, F8_E4M3, ... as a safetensors header names them (I8, U8, BOOL are not)."""
+    return safetensors_dtype.startswith(("F", "BF"))
+
+
+def tensor_shapes(path, problems: list | None = None) -> dict[str, tuple]:
+    """Name -> shape of every tensor, read from the safetensors headers only. With `problems`,
+    what the headers alone show wrong goes into it: a tensor that is not floating point (an
+    int8-quantised weight was cast to float and loaded silently, and the model wrote garbage)."""
     shapes = {}
     for f in safetensors_files(path):
         if not f.exists():
@@ -60,7 +67,11 @@ def tensor_shapes(path) -> dict[str, tuple]:
             raise CheckpointError(path, [f"{f.name} is not a readable safetensors file: {e}"]) from None
         with sf:
             for name in sf.keys():
-                shapes[name] = tuple(sf.get_slice(name).get_shape())
+                header = sf.get_slice(name)
+                shapes[name] = tuple(header.get_shape())
+                if problems is not None and not is_floating(header.get_dtype()):
+                    problems.append(f"tensor {name} has dtype {header.get_dtype()}; AsyncT weights are "
+                                    "floating point (quantised checkpoints are not supported)")
     return shapes
 
 
@@ -120,8 +131,9 @@ def prepare_config_for_load(path, config=None) -> AsyncTConfig:
         raise CheckpointError(path, ["not a directory (asynct loads local checkpoints only)"])
     if config is None:
         config = load_config(path)
-    shapes = tensor_shapes(path)
-    problems = check_tensors(config, shapes)
+    problems = []
+    shapes = tensor_shapes(path, problems)
+    problems += check_tensors(config, shapes)
     if problems:
         raise CheckpointError(path, problems)
     config.dyht_shapes = dyht_shapes(config, shapes)
