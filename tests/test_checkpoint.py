@@ -200,3 +200,15 @@ def test_tensors_must_be_floating_point(tmp_path, tiny_ckpt, dtype):
     with pytest.raises(CheckpointError, match="tensor model.layers.0.mlp.up_proj.weight has dtype (I8|BOOL)") as e:
         AsyncTForCausalLM.from_pretrained(tmp_path / "ck")
     assert len(e.value.problems) == 1
+
+
+def test_a_tensor_in_two_shards(tmp_path):
+    """The loaders read every shard and the last in name order won, silently."""
+    ckpt = make_checkpoint("tiny", tmp_path / "ck", seed=5, max_shard_size="100KB")
+    shards = sorted(ckpt.glob("model-*.safetensors"))
+    first, last = shards[0], shards[-1]
+    a, b = load_file(first), load_file(last)
+    name = next(iter(a))
+    save_file({**b, name: a[name] + 1}, last, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=f"tensor {name} is stored twice, in {first.name} and {last.name}"):
+        AsyncTForCausalLM.from_pretrained(ckpt)

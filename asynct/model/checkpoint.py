@@ -56,8 +56,9 @@ def is_floating(safetensors_dtype: str) -> bool:
 def tensor_shapes(path, problems: list | None = None) -> dict[str, tuple]:
     """Name -> shape of every tensor, read from the safetensors headers only. With `problems`,
     what the headers alone show wrong goes into it: a tensor that is not floating point (an
-    int8-quantised weight was cast to float and loaded silently, and the model wrote garbage)."""
-    shapes = {}
+    int8-quantised weight was cast to float and loaded silently, and the model wrote garbage),
+    and a tensor in two shards (the last file in name order won, silently)."""
+    shapes, file_of = {}, {}
     for f in safetensors_files(path):
         if not f.exists():
             raise CheckpointError(path, [f"shard {f.name} named in {INDEX_FILE} is missing"])
@@ -69,6 +70,9 @@ def tensor_shapes(path, problems: list | None = None) -> dict[str, tuple]:
             for name in sf.keys():
                 header = sf.get_slice(name)
                 shapes[name] = tuple(header.get_shape())
+                if problems is not None and name in file_of:
+                    problems.append(f"tensor {name} is stored twice, in {file_of[name]} and {f.name}")
+                file_of[name] = f.name
                 if problems is not None and not is_floating(header.get_dtype()):
                     problems.append(f"tensor {name} has dtype {header.get_dtype()}; AsyncT weights are "
                                     "floating point (quantised checkpoints are not supported)")
