@@ -117,3 +117,11 @@ def test_generate_takes_the_generation_configs_defaults_for_unset_flags(tiny_ckp
     assert lengths("--override-generation-config", '{"max_new_tokens": 5}') == [5]
     assert lengths("--max-tokens", "2") == [2]
     assert lengths("--generation-config", "vllm", "--max-tokens", "7") == [7]
+
+
+
+@pytest.mark.parametrize("alias", ["half", "float"])
+def test_vllms_dtype_aliases(tiny_ckpt, capsys, alias):
+    """`--dtype half` (or float), as vLLM's command lines write it, was an invalid choice, while
+    LLM(dtype="half") ran."""
+    assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2", "--max-tokens", "2", "--dtype", alias]) == 0

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from asynct.presets import PRESETS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --dtype also takes half and float (EngineArgs resolves them): its command lines run here
+ENGINE_DTYPES = (*DTYPES, "half", "float")
 # the attention backends the engine registers (asynct/attention), named here to keep --help light
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only", "none")   # EngineArgs checks the same
@@ -32,8 +34,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
 
 def add_engine_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="compute dtype; auto: the checkpoint's on a GPU, float32 on the CPU")
+    g.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES,
+                   help="compute dtype (half: float16, float: float32, as vLLM's); auto: the checkpoint's "
+                        "on a GPU, float32 on the CPU")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when there is one)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
