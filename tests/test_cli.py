@@ -125,3 +125,18 @@ def test_vllms_dtype_aliases(tiny_ckpt, capsys, alias):
     """`--dtype half` (or float), as vLLM's command lines write it, was an invalid choice, while
     LLM(dtype="half") ran."""
     assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2", "--max-tokens", "2", "--dtype", alias]) == 0
+
+
+def test_tokenizer_flag(tiny_ckpt, tmp_path, capsys):
+    """LLM(tokenizer=...) had no flag: `--tokenizer`, as vLLM's command lines give it, was an
+    unrecognised argument, so a checkpoint with its tokenizer elsewhere took no text prompt."""
+    import shutil
+    ckpt = tmp_path / "weights-only"
+    shutil.copytree(tiny_ckpt, ckpt)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (ckpt / f).unlink()
+    assert main(["generate", str(ckpt), "--prompt", "Hi", "--max-tokens", "2", "--json"]) == 1
+    assert "no tokenizer" in capsys.readouterr().err
+    assert main(["generate", str(ckpt), "--tokenizer", str(tiny_ckpt), "--prompt", "Hi", "--max-tokens", "2",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_token_ids"] == list(b"Hi")

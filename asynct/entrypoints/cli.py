@@ -37,6 +37,8 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--dtype", default="auto", choices=ENGINE_DTYPES,
                    help="compute dtype (half: float16, float: float32, as vLLM's); auto: the checkpoint's "
                         "on a GPU, float32 on the CPU")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="a folder holding the tokenizer files (default: the checkpoint's)")
     g.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda when there is one)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch")
@@ -67,7 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser):
 
 
 def engine_kwargs(a) -> dict:
-    keys = ("dtype", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    keys = ("dtype", "tokenizer", "device", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
             "gpu_memory_utilization", "attention_backend", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
             "async_scheduling", "kv_cache_dtype", "data_parallel_size", "generation_config",
             "override_generation_config")
