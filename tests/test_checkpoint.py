@@ -117,8 +117,10 @@ def test_config_booleans_written_as_0_or_1_load(tmp_path, tied):
 
 
 def test_missing_files(tmp_path, tiny_ckpt):
-    with pytest.raises(CheckpointError, match="not a directory"):
+    with pytest.raises(CheckpointError, match="no such directory"):   # said "not a directory"
         AsyncTForCausalLM.from_pretrained(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="a file, not a checkpoint directory"):
+        AsyncTForCausalLM.from_pretrained(tiny_ckpt / "config.json")
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text((tiny_ckpt / "config.json").read_text())
     with pytest.raises(CheckpointError, match="no model.safetensors"):

@@ -131,8 +131,11 @@ def prepare_config_for_load(path, config=None) -> AsyncTConfig:
     """Loads (or takes) the config, checks every tensor against it, and records the DyHT
     parameter shapes so the model is built to match them. Raises CheckpointError."""
     path = Path(path)
+    if not path.exists():   # "not a directory" sent a user with a mistyped path looking for a file
+        raise CheckpointError(path, ["no such directory (asynct loads local checkpoints only, never from the "
+                                     "Hugging Face hub: download one first, e.g. `hf download ID --local-dir DIR`)"])
     if not path.is_dir():
-        raise CheckpointError(path, ["not a directory (asynct loads local checkpoints only)"])
+        raise CheckpointError(path, ["a file, not a checkpoint directory"])
     if config is None:
         config = load_config(path)
     problems = []
