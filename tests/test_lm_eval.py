@@ -349,6 +349,17 @@ def test_eval_cli_missing_task_says_how_tasks_are_found(capsys):
     assert "Tasks not found: gsm8k" in err and "--include_defaults" in err and "Traceback" not in err
 
 
+def test_eval_cli_model_path_that_is_not_there(capsys, tmp_path):
+    """`--model DIR` with a mistyped DIR got lm-eval's "no model for this name found!" and a list
+    of ~40 lm-eval model names."""
+    with pytest.raises(SystemExit) as e:
+        eval_cli("--model", tmp_path / "nope", "--tasks", "tiny_gsm", "--limit", 1)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (f"asynct eval: error: --model {tmp_path / 'nope'}: no such checkpoint "
+                                       "directory, and no lm-eval model of that name (asynct loads local "
+                                       "checkpoints only)\n")
+
+
 def test_eval_cli_shipped_tasks_warn_nothing(caplog):
     """The shipped YAMLs load without lm-eval's warnings (missing higher_is_better and the like)."""
     import logging
