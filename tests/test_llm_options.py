@@ -297,8 +297,9 @@ def test_bias_and_allowed_tokens_must_be_in_the_vocabulary(llm):
                        logit_bias={0: -100, 258: 1e6}, allowed_token_ids=(0, 258))
     p.check_model(259)
     assert p.allowed_token_ids == [0, 258]
-    for field, value in [("logit_bias", {259: 1.0}), ("allowed_token_ids", [3, 259])]:
-        with pytest.raises(SamplingParamsError, match=f"^{field} .*vocabulary size 259") as e:
+    for field, value in [("logit_bias", {259: 1.0}), ("allowed_token_ids", [3, 259]), ("logprobs", 260),
+                         ("prompt_logprobs", 260)]:   # prompt_logprobs was reported as logprobs
+        with pytest.raises(SamplingParamsError, match=f"^{field}\\b.*vocabulary size 259") as e:
             SamplingParams(**{field: value}).check_model(259)
         assert e.value.param == field
         out = llm.generate(["hi"], SamplingParams(**{field: value}), use_tqdm=False)[0]

@@ -166,7 +166,9 @@ class SamplingParams:
             (self.top_k > vocab_size, f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}"),
             (any(t >= vocab_size for t in self.stop_token_ids),
              f"stop_token_ids must be below the vocabulary size {vocab_size}"),
-            (self.max_logprobs > vocab_size, f"logprobs={self.max_logprobs} exceeds the vocabulary size {vocab_size}"),
+            # each under its own name: prompt_logprobs=300 was reported as "logprobs=300"
+            *[((k or 0) > vocab_size, f"{name}={k} exceeds the vocabulary size {vocab_size}")
+              for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (any(t >= vocab_size for t in self.logit_bias or ()),
              f"logit_bias token ids must be below the vocabulary size {vocab_size}"),
             (any(t >= vocab_size for t in self.allowed_token_ids or ()),
