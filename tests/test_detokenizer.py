@@ -131,3 +131,14 @@ def test_a_stop_is_searched_only_where_the_new_text_can_end_it():
         found = Detokenizer._cut_at_stop(seq, new_from, text[new_from:])
         assert (seq.text, seq.stop_reason) == plain(text, new_from, stops, include), case
         assert found == (seq.stop_reason is not None)
+
+
+@pytest.mark.parametrize("name,text", [("tokenizer.json", '{"model": {"type": "BPE"}}'), ("tokenizer.json", ""),
+                                       ("tokenizer_config.json", "{")])
+def test_a_broken_tokenizer_file_is_one_error_naming_the_folder(tmp_path, name, text):
+    """A tokenizer.json without added_tokens raised a bare KeyError ('added_tokens'); unreadable
+    JSON, json's "Expecting value: line 1 column 1" naming no file."""
+    path = make_checkpoint("tiny", tmp_path / "ck", seed=1)
+    (path / name).write_text(text)
+    with pytest.raises(ValueError, match=f"^the tokenizer files in {path} cannot be loaded"):
+        Detokenizer.from_path(path)

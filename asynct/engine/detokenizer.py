@@ -31,13 +31,12 @@ class Detokenizer:
         p = Path(path)
         if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             return None
-        if (p / "tokenizer.json").exists() and _tokenizer_class(p) in GENERIC_CLASSES:
-            # a plain tokenizer.json: AutoTokenizer would load the same class, after importing
-            # every model family's config (3 s of a 3.1 s engine start on a CPU)
-            from transformers import PreTrainedTokenizerFast
-            return cls(PreTrainedTokenizerFast.from_pretrained(p))
-        from transformers import AutoTokenizer
-        return cls(AutoTokenizer.from_pretrained(p))
+        try:
+            return cls(_load_tokenizer(p))
+        except Exception as e:  # noqa: BLE001  (a broken file raised KeyError, JSONDecodeError naming
+            # no file, or tokenizers' own Exception: a traceback, or a line the user could not place)
+            raise ValueError(f"the tokenizer files in {p} cannot be loaded ({type(e).__name__}: {e}); "
+                             "fix or remove them (without them only token-id prompts work)") from e
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Text prompts get the tokenizer's special tokens (a Llama-style BOS), as vLLM and HF
@@ -166,6 +165,16 @@ def check_unicode(text: str, what: str = "the text"):
 
 
 GENERIC_CLASSES = {None, "PreTrainedTokenizerFast", "TokenizersBackend"}   # no model-specific code
+
+
+def _load_tokenizer(p: Path):
+    if (p / "tokenizer.json").exists() and _tokenizer_class(p) in GENERIC_CLASSES:
+        # a plain tokenizer.json: AutoTokenizer would load the same class, after importing
+        # every model family's config (3 s of a 3.1 s engine start on a CPU)
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(p)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(p)
 
 
 def _tokenizer_class(path: Path):
