@@ -140,3 +140,16 @@ def test_tokenizer_flag(tiny_ckpt, tmp_path, capsys):
     assert main(["generate", str(ckpt), "--tokenizer", str(tiny_ckpt), "--prompt", "Hi", "--max-tokens", "2",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["prompt_token_ids"] == list(b"Hi")
+
+
+@pytest.mark.parametrize("env,key", [({"VLLM_API_KEY": "v"}, "v"), ({"ASYNCT_API_KEY": "a", "VLLM_API_KEY": "v"}, "a"),
+                                     ({}, None)])
+def test_serve_takes_vllms_api_key_variable(monkeypatch, env, key):
+    """A deployment moved from `vllm serve` with VLLM_API_KEY set served every route with no key."""
+    from asynct.entrypoints.cli import build_parser
+    for name in ("ASYNCT_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert build_parser().parse_args(["serve", "/ckpt"]).api_key == key
+    assert build_parser().parse_args(["serve", "/ckpt", "--api-key", "flag"]).api_key == "flag"

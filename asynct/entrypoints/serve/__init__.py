@@ -12,9 +12,10 @@ def add_parser(sub):
     p.add_argument("model", metavar="MODEL_DIR")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535")
-    p.add_argument("--api-key", default=os.environ.get("ASYNCT_API_KEY"),
+    # vLLM's VLLM_API_KEY too: a deployment moved from `vllm serve` with it set served with no key at all
+    p.add_argument("--api-key", default=os.environ.get("ASYNCT_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (default: env ASYNCT_API_KEY, "
-                        "else none)")
+                        "else env VLLM_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL_DIR)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
