@@ -538,6 +538,33 @@ def test_bf16_engine_keeps_fp32_rope_and_norms(tiny_ckpt, reference):
         assert ((got - want).norm() / want.norm()).item() < 2e-2
 
 
+def streamed_texts(llm, prompt, params) -> list[str]:
+    """A streamed request's cumulative text at each step, driven through the LLMEngine step API."""
+    engine = llm.llm_engine
+    engine.add_request("streamed", prompt, params, stream=True)
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [out.outputs[0].text for out in engine.step()]
+    return texts
+
+
+def test_streamed_text_is_never_taken_back(gsm):
+    """As vLLM (stop_buffer_length): while a stream runs, its last len(longest stop) - 1
+    characters wait, since they may begin a stop string that would cut them; each output's text
+    was shown " 3 + 4 = 7\n###" and then cut to " 3 + 4 = 7". With include_stop_str_in_output a
+    cut never reaches shown text, so nothing waits."""
+    for stop in (["\n####"], ["= 7\n", "4 ="], ["#", " 7\n#### 7"]):
+        params = SamplingParams(temperature=0, max_tokens=40, stop=stop)
+        texts = streamed_texts(gsm, QUESTION, params)
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:])), (stop, texts)
+        assert texts[-1] == gsm.generate(QUESTION, params, use_tqdm=False)[0].outputs[0].text
+    params = SamplingParams(temperature=0, max_tokens=40, stop=["\n####"], include_stop_str_in_output=True)
+    texts = streamed_texts(gsm, QUESTION, params)
+    decode = gsm.get_tokenizer().decode
+    tokens = gsm.generate(QUESTION, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert texts == [decode(tokens[:k]) for k in range(1, len(tokens) + 1)]
+
+
 def test_incremental_text_equals_full_decode_at_finish(tiny_ckpt):
     """A random byte model emits partial UTF-8; text kept for stop strings must still end whole."""
     llm = LLM(tiny_ckpt)

@@ -73,7 +73,7 @@ def test_completion_chunks_equal_the_encoded_dicts(return_token_ids, usage, reas
                       "continuous": {"include_usage": True, "continuous_usage_stats": True}}[usage]
     body = CompletionRequest(model="m", prompt=[[1, 2, 3], [4, 5]], stream=True, return_token_ids=return_token_ids,
                              stream_options=stream_options, max_tokens=len(TEXTS))
-    job = Completion(CTX, body, body.to_params({}), "cmpl-x", ["", ""], [[1, 2, 3], [4, 5]])
+    job = Completion(CTX, body, "cmpl-x", ["", ""], [[1, 2, 3], [4, 5]])
     a, b = steps(TEXTS, *reasons), steps(TEXTS[::-1], "length", None)
     # the first update holds both prompts' first token, later ones one prompt each (b runs ahead)
     updates = [{0: request_output("a", [a[0]]), 1: request_output("b", [b[0]])}] + \
@@ -111,7 +111,7 @@ def test_chat_chunks_equal_the_encoded_dicts(continuous, texts):
     stream_options = {"include_usage": True, "continuous_usage_stats": continuous}
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
                                  stream_options=stream_options)
-    job = Chat(CTX, body, body.to_params({}), "chatcmpl-x", 4)
+    job = Chat(CTX, body, "chatcmpl-x", 4)
     outs = steps(texts, "stop", None)
     pieces = run_stream(job.stream, [{0: request_output("a", [c])} for c in outs])
 
@@ -136,7 +136,7 @@ def test_chat_chunks_equal_the_encoded_dicts(continuous, texts):
 
 def test_an_engine_error_ends_the_stream_with_its_event_and_done():
     body = CompletionRequest(model="m", prompt=[1, 2, 3], stream=True, max_tokens=4)
-    job = Completion(CTX, body, body.to_params({}), "cmpl-x", [""], [[1, 2, 3]])
+    job = Completion(CTX, body, "cmpl-x", [""], [[1, 2, 3]])
     first = steps([" a", " b"], "length", None)[0]
     pieces = run_stream(job.stream, [{0: request_output("a", [first])}, {0: EngineError("boom", 500)}])
     assert len(pieces) == 2 and json.loads(pieces[0][6:])["choices"][0]["text"] == " a"

@@ -144,7 +144,7 @@ class EngineCore:
             if state is None:
                 continue
             num_tokens, text = state
-            if num_tokens == len(c.token_ids) and text is c.text and not c.finished:
+            if num_tokens == len(c.token_ids) and text == c.text and not c.finished:
                 continue
             keep = len(text) if c.text.startswith(text) else 0
             lps = c.logprobs[num_tokens:] if c.logprobs is not None else None

@@ -192,6 +192,15 @@ class SamplingParams:
         return bool(self.penalised or self.logit_bias or self.allowed_token_ids or self.bad_words)
 
     @property
+    def output_text_buffer_length(self) -> int:
+        """vLLM's: how many of a running stream's last characters wait, since a stop string
+        may begin there and cut them. 0 where the stop is kept in the text: a cut then ends
+        past every character shown before."""
+        if not self.stop_list or self.include_stop_str_in_output:
+            return 0
+        return max(map(len, self.stop_list)) - 1
+
+    @property
     def max_logprobs(self) -> int:
         return max(self.logprobs or 0, self.prompt_logprobs or 0)
 

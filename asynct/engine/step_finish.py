@@ -98,7 +98,9 @@ class StepFinishMixin:
         if self.detokenizer is None:
             return ""
         if req.incremental:
-            return seq.text
+            # as vLLM, a running stream never shows text that a stop string may still cut
+            hold = 0 if seq.is_finished else seq.params.output_text_buffer_length
+            return seq.text[:max(0, len(seq.text) - hold)] if hold else seq.text
         return self._final_text(seq) if seq.is_finished else ""
 
     def _final_text(self, seq: Sequence) -> str:

@@ -65,7 +65,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)
     await ctx.check_bad_words(params, body)
     ids = ctx.check_prompt(ids, params, body)
-    chat = Chat(ctx, body, params, request_id("chatcmpl"), len(ids))
+    chat = Chat(ctx, body, request_id("chatcmpl"), len(ids))
     handle = ctx.submit([ids], params, stream=body.stream)
     if body.stream:
         return EventStream(chat.stream(handle), handle)
@@ -73,8 +73,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 
 class Chat:
-    def __init__(self, ctx, body: ChatCompletionRequest, params, rid: str, num_prompt_tokens: int):
-        self.ctx, self.body, self.params, self.id = ctx, body, params, rid
+    def __init__(self, ctx, body: ChatCompletionRequest, rid: str, num_prompt_tokens: int):
+        self.ctx, self.body, self.id = ctx, body, rid
         self.num_prompt_tokens = num_prompt_tokens
         self.echo = body.echoed()
         self.created = int(time.time())
@@ -114,7 +114,7 @@ class Chat:
 
     def _chunk(self, c, streams, generated) -> str | None:
         if c.index not in streams:     # OpenAI opens every choice with the role alone
-            streams[c.index] = TextStream(self.params)
+            streams[c.index] = TextStream()
             first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
             head = self._sse_chunk(encode(first), c.index, generated)

@@ -28,7 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     # echo's text is the prompt as it ran: a truncated one decoded
     texts = [p if isinstance(p, str) and len(i) == len(e) else ctx.decode(i, False)
              for p, e, i in zip(prompts, encoded, ids)]
-    job = Completion(ctx, body, params, request_id("cmpl"), texts, ids)
+    job = Completion(ctx, body, request_id("cmpl"), texts, ids)
     handle = ctx.submit(ids, params, stream=body.stream)
     if body.stream:
         return EventStream(job.stream(handle), handle)
@@ -36,8 +36,8 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
 
 
 class Completion:
-    def __init__(self, ctx, body: CompletionRequest, params, rid, texts, ids):
-        self.ctx, self.body, self.params, self.id, self.texts, self.ids = ctx, body, params, rid, texts, ids
+    def __init__(self, ctx, body: CompletionRequest, rid, texts, ids):
+        self.ctx, self.body, self.id, self.texts, self.ids = ctx, body, rid, texts, ids
         self.drop_generated = body.echo and body.max_tokens == 0
         self.created = int(time.time())
         self.next_offsets = {}     # a streamed choice's text_offset for its next token
@@ -106,7 +106,7 @@ class Completion:
             return None        # still prefilling (the echoed prompt waits for its logprobs)
         key = (i, c.index)
         first = key not in streams
-        ts = streams.setdefault(key, TextStream(self.params))
+        ts = streams.setdefault(key, TextStream())
         d = ts.delta(c)
         if d is None:
             return None

@@ -141,13 +141,13 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 class TextStream:
     """Per choice: what was already sent, so each chunk carries only the new text and tokens.
-    While running, the last len(longest stop) - 1 characters wait: they may turn out to start a
-    stop string, which must never reach the client. The last output's text is the engine's whole
-    text (it decodes the output once more at the finish, and leaves out a stop token's text).
-    A finished choice is sent once: with n > 1 the request's later outputs still carry it."""
+    The engine holds back a running stream's text that may start a stop string
+    (SamplingParams.output_text_buffer_length), so it never reaches the client. The last output's
+    text is the engine's whole text (it decodes the output once more at the finish, and leaves
+    out a stop token's text). A finished choice is sent once: with n > 1 the request's later
+    outputs still carry it."""
 
-    def __init__(self, params):
-        self.hold = max((len(s) for s in params.stop_list), default=1) - 1
+    def __init__(self):
         self.text, self.num_tokens = "", 0
         self.finished = False
 
@@ -157,8 +157,6 @@ class TextStream:
             return None
         self.finished = out.finished
         text = out.text
-        if not out.finished and self.hold:
-            text = text[:max(len(self.text), len(text) - self.hold)]
         start, end = self.num_tokens, len(out.token_ids)
         if end == start and not out.finished and len(text) == len(self.text):
             return None
