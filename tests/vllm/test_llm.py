@@ -1,6 +1,7 @@
 """`vllm.LLM` on AsyncT checkpoints: greedy tokens equal asynct's reference model, and the AsyncT
 backend (not vLLM's CPU_ATTN) did the attention."""
 import gc
+import json
 from importlib.metadata import entry_points
 
 import pytest
@@ -107,5 +108,21 @@ def test_checkpoint_problems_fail_the_load(tmp_path):
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"(?s)missing tensor model\.layers\.0\.self_attn\.k_proj"
                                          r".*model\.layers\.1\.self_attn\.sigma has shape \[1\]"):
+        LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64)
+    gc.collect()
+
+
+def test_tied_config_with_an_lm_head_fails_the_load(tmp_path):
+    """A config that ties the head while the checkpoint holds an lm_head: asynct refuses it,
+    but vLLM quietly unties such a config before the model is built (`ModelConfig
+    .maybe_untie_word_embeddings`), so the check passed and vLLM ran the stray head instead of
+    the embedding the config names. The check reads the config as the checkpoint wrote it."""
+    from vllm import LLM
+
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path, seed=0)   # untied: it writes lm_head.weight
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    with pytest.raises(ValueError, match=r"unexpected tensor lm_head\.weight .*tie_word_embeddings=true"):
         LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64)
     gc.collect()

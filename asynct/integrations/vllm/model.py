@@ -4,6 +4,7 @@ Loads the spec's checkpoint format as is: q/k/v and gate/up are stacked into vLL
 projections at load time, DyHT `alpha` / `weight` of shape [1] are broadcast to their channels.
 Tensor and pipeline parallel follow vLLM's Llama/Qwen3 (heads and `sigma` split across TP ranks).
 """
+import copy
 import os
 from collections.abc import Iterable
 
@@ -200,6 +201,7 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
         # tensor would leave uninitialised memory. Later calls (weight transfer) pass subsets.
         path, fmt = vllm_config.model_config.model, vllm_config.load_config.load_format
         self._unchecked = path if fmt in ("auto", "safetensors") and os.path.isdir(path) else None
+        self._written_config = _as_written(vllm_config.model_config)
         self.model = AsyncTModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size,
@@ -224,7 +226,7 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self._unchecked is not None:  # as asynct loads: one error listing every problem
             path, self._unchecked = self._unchecked, None
-            problems = check_tensors(self.config, tensor_shapes(path))
+            problems = check_tensors(self._written_config, tensor_shapes(path))
             if problems:
                 raise CheckpointError(path, problems)
         params = dict(self.named_parameters())
@@ -243,6 +245,18 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
             loader(param, tensor) if shard is None else loader(param, tensor, shard)
             loaded.add(pname)
         return loaded
+
+
+def _as_written(model_config):
+    """The config as config.json has it. vLLM unties a tied config whose checkpoint holds an
+    lm_head before the model is built (`maybe_untie_word_embeddings`) and runs that head; asynct
+    refuses such a checkpoint (docs/model.md: no lm_head when tied), and so must the check."""
+    config = model_config.hf_config
+    if not getattr(model_config, "word_embeddings_untied_by_checkpoint", False):
+        return config
+    written = copy.copy(config)
+    written.tie_word_embeddings = True
+    return written
 
 
 def _vllm_name(name: str):
