@@ -126,3 +126,20 @@ def test_tied_config_with_an_lm_head_fails_the_load(tmp_path):
     with pytest.raises(ValueError, match=r"unexpected tensor lm_head\.weight .*tie_word_embeddings=true"):
         LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64)
     gc.collect()
+
+
+def test_max_model_len_past_the_rope_table_fails_at_start(tmp_path):
+    """AsyncT's RoPE is unscaled and ends at max_position_embeddings (docs/model.md: asynct's
+    most). vLLM multiplies its default max_model_len by a config's rope_scaling factor (512
+    here), and every position past 128 read beyond the model's RoPE table: greedy tokens 0, 0,
+    0, ... where asynct refuses the prompt. Such a max_model_len now stops the start, named."""
+    from vllm import LLM
+
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path, seed=0, max_position_embeddings=128)
+    config = json.loads((ckpt / "config.json").read_text())
+    scaling = {"rope_type": "linear", "factor": 4.0}
+    (ckpt / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
+    with pytest.raises(ValueError, match=r"max_model_len=512 .*max_position_embeddings=128"):
+        LLM(model=str(ckpt), dtype="float32", enforce_eager=True)
+    gc.collect()

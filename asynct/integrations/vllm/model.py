@@ -196,6 +196,7 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
+        _check_max_model_len(vllm_config.model_config)
         # The checkpoint directory vLLM's loader reads, checked at the first load_weights: vLLM
         # checks no linear layer's weights, so a missing q/k/v, gate/up, o_proj or lm_head
         # tensor would leave uninitialised memory. Later calls (weight transfer) pass subsets.
@@ -245,6 +246,18 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
             loader(param, tensor) if shard is None else loader(param, tensor, shard)
             loaded.add(pname)
         return loaded
+
+
+def _check_max_model_len(model_config):
+    """vLLM derives max_model_len from max_position_embeddings times a config's rope_scaling
+    factor (or takes a longer one under VLLM_ALLOW_LONG_MAX_MODEL_LEN), but AsyncT's RoPE is
+    unscaled and its table ends at max_position_embeddings: later positions read past it."""
+    most, asked = model_config.hf_config.max_position_embeddings, model_config.max_model_len
+    if asked > most:
+        raise ValueError(f"max_model_len={asked} exceeds max_position_embeddings={most}, the "
+                         f"longest position of an AsyncT model (docs/model.md: RoPE is unscaled; "
+                         f"a config's rope_scaling is not part of the format); pass "
+                         f"max_model_len<={most}")
 
 
 def _as_written(model_config):
