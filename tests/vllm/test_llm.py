@@ -94,9 +94,12 @@ def test_bfloat16_runs(tiny_ckpt, cpu_attn_calls):
     assert stats["forwards"] > 0 and not cpu_attn_calls
 
 
-def test_checkpoint_problems_fail_the_load(tmp_path):
+@pytest.mark.parametrize("load_format", ["auto", "hf"])
+def test_checkpoint_problems_fail_the_load(tmp_path, load_format):
     """vLLM checks no linear layer's weights, and sigma's loader took any length: a missing
-    k_proj ran with uninitialised rows, a [1] sigma was broadcast. Both fail the load, named."""
+    k_proj ran with uninitialised rows, a [1] sigma was broadcast. Both fail the load, named,
+    whichever of vLLM's names for reading the directory's safetensors is asked ("hf" is what
+    "auto" resolves to; it ran unchecked)."""
     from safetensors.torch import load_file, save_file
     from vllm import LLM
 
@@ -108,7 +111,8 @@ def test_checkpoint_problems_fail_the_load(tmp_path):
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"(?s)missing tensor model\.layers\.0\.self_attn\.k_proj"
                                          r".*model\.layers\.1\.self_attn\.sigma has shape \[1\]"):
-        LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64)
+        LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64,
+            load_format=load_format)
     gc.collect()
 
 

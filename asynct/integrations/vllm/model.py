@@ -53,6 +53,11 @@ STACKED = (
     (".up_proj.", ".gate_up_proj.", 1),
 )
 
+# vLLM's load formats that read the directory's safetensors files, the ones the tensor check
+# reads too ("auto" resolves to "hf"; the others are faster readers of the same files).
+SAFETENSORS_LOAD_FORMATS = ("auto", "hf", "safetensors", "fastsafetensors", "instanttensor",
+                            "runai_streamer")
+
 
 def _broadcast_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """DyHT alpha/weight: the checkpoint may hold [1] (shared) or [C] (per channel)."""
@@ -201,7 +206,7 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
         # checks no linear layer's weights, so a missing q/k/v, gate/up, o_proj or lm_head
         # tensor would leave uninitialised memory. Later calls (weight transfer) pass subsets.
         path, fmt = vllm_config.model_config.model, vllm_config.load_config.load_format
-        self._unchecked = path if fmt in ("auto", "safetensors") and os.path.isdir(path) else None
+        self._unchecked = path if fmt in SAFETENSORS_LOAD_FORMATS and os.path.isdir(path) else None
         self._written_config = _as_written(vllm_config.model_config)
         self.model = AsyncTModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
