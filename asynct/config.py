@@ -10,6 +10,7 @@ from transformers import PretrainedConfig
 from asynct.presets import PRESETS
 
 
+ARCHITECTURE = "AsyncTForCausalLM"
 AUTO_CONFIG_MODULE = "transformers.models.auto.configuration_auto"
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
@@ -84,6 +85,9 @@ class AsyncTConfig(PretrainedConfig):
         self.asynci_relu_pre = asynci_relu_pre
         self.initializer_range = initializer_range
         kwargs["dtype"] = kwargs.get("dtype") or torch_dtype or "bfloat16"
+        # vLLM picks its model class by `architectures` ("No model architectures are specified"
+        # without one), but docs/model.md requires only the sizes: a config.json may lack it
+        kwargs["architectures"] = kwargs.get("architectures") or [ARCHITECTURE]
         if not _is_floating_dtype(kwargs["dtype"]):   # transformers' getattr(torch, ...) raised AttributeError
             raise ValueError(f"invalid AsyncT config: torch_dtype={kwargs['dtype']!r} is not a floating dtype "
                              "(use bfloat16, float16 or float32)")

@@ -147,3 +147,17 @@ def test_max_model_len_past_the_rope_table_fails_at_start(tmp_path):
     with pytest.raises(ValueError, match=r"max_model_len=512 .*max_position_embeddings=128"):
         LLM(model=str(ckpt), dtype="float32", enforce_eager=True)
     gc.collect()
+
+
+def test_config_without_architectures(tmp_path):
+    """docs/model.md requires five sizes and model_type of config.json, and asynct runs a config
+    with no more; vLLM picks its model class by `architectures` and stopped at start ("No model
+    architectures are specified"). The AsyncT config names its one architecture by default."""
+    from asynct.model.checkpoint import make_checkpoint
+    ckpt = make_checkpoint("tiny", tmp_path, seed=0)
+    config = json.loads((ckpt / "config.json").read_text())
+    del config["architectures"]
+    (ckpt / "config.json").write_text(json.dumps(config))
+    prompts = make_prompts(seed=2)[:2]
+    (got,), stats = run_llm(str(ckpt), prompts)
+    assert got == reference_greedy(str(ckpt), prompts) and stats["forwards"] > 0
