@@ -97,9 +97,11 @@ def test_bfloat16_runs(tiny_ckpt, cpu_attn_calls):
 @pytest.mark.parametrize("load_format", ["auto", "hf"])
 def test_checkpoint_problems_fail_the_load(tmp_path, load_format):
     """vLLM checks no linear layer's weights, and sigma's loader took any length: a missing
-    k_proj ran with uninitialised rows, a [1] sigma was broadcast. Both fail the load, named,
+    k_proj ran with uninitialised rows, a [1] sigma was broadcast, an int8 weight was cast. All
+    fail the load, named,
     whichever of vLLM's names for reading the directory's safetensors is asked ("hf" is what
     "auto" resolves to; it ran unchecked)."""
+    import torch
     from safetensors.torch import load_file, save_file
     from vllm import LLM
 
@@ -108,8 +110,10 @@ def test_checkpoint_problems_fail_the_load(tmp_path, load_format):
     tensors = load_file(ckpt / "model.safetensors")
     del tensors["model.layers.0.self_attn.k_proj.weight"]
     tensors["model.layers.1.self_attn.sigma"] = tensors["model.layers.1.self_attn.sigma"][:1].clone()
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"].to(torch.int8)
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"(?s)missing tensor model\.layers\.0\.self_attn\.k_proj"
+    with pytest.raises(ValueError, match=r"(?s)model\.layers\.1\.mlp\.down_proj\.weight has dtype I8"
+                                         r".*missing tensor model\.layers\.0\.self_attn\.k_proj"
                                          r".*model\.layers\.1\.self_attn\.sigma has shape \[1\]"):
         LLM(model=str(ckpt), dtype="float32", enforce_eager=True, max_model_len=64,
             load_format=load_format)

@@ -232,7 +232,9 @@ class AsyncTForCausalLM(nn.Module, SupportsPP):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self._unchecked is not None:  # as asynct loads: one error listing every problem
             path, self._unchecked = self._unchecked, None
-            problems = check_tensors(self._written_config, tensor_shapes(path))
+            problems = []
+            shapes = tensor_shapes(path, problems)    # with what the headers show: dtypes, duplicates
+            problems += check_tensors(self._written_config, shapes)
             if problems:
                 raise CheckpointError(path, problems)
         params = dict(self.named_parameters())
