@@ -6,6 +6,7 @@ import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.entrypoints.cli import build_parser, main
+from asynct.entrypoints.serve import model_dir
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
@@ -15,11 +16,23 @@ TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<ass
 def test_flags_parse():
     a = build_parser().parse_args(["serve", "DIR", "--chat-template", "t.jinja", "--seed", "3", "-tp", "1",
                                    "--trust-remote-code", "--uvicorn-log-level", "warning", "--disable-log-stats",
-                                   "--served-model-name", "m"])
+                                   "--served-model-name", "m", "m2", "--no-enable-prefix-caching"])
     assert (a.chat_template, a.seed, a.tensor_parallel_size, a.trust_remote_code, a.uvicorn_log_level,
-            a.disable_log_stats, a.served_model_name) == ("t.jinja", 3, 1, True, "warning", True, "m")
+            a.disable_log_stats, a.served_model_name, a.enable_prefix_caching) == \
+        ("t.jinja", 3, 1, True, "warning", True, ["m", "m2"], False)
     a = build_parser().parse_args(["serve", "DIR"])
     assert (a.chat_template, a.seed, a.tensor_parallel_size, a.uvicorn_log_level) == (None, None, 1, None)
+    assert (model_dir(a), a.enable_prefix_caching) == ("DIR", True)
+    # vLLM's command lines: `serve --model DIR`, --enable-prefix-caching (the default)
+    a = build_parser().parse_args(["serve", "--model", "DIR", "--enable-prefix-caching"])
+    assert (model_dir(a), a.enable_prefix_caching) == ("DIR", True)
+
+
+def test_a_model_given_twice_or_never_is_one_error(capsys):
+    assert main(["serve", "A", "--model", "B"]) == 2
+    assert "asynct serve: error: two models given: A and --model B" in capsys.readouterr().err
+    assert main(["serve"]) == 2
+    assert "asynct serve: error: no model: give MODEL_DIR (or --model MODEL_DIR)" in capsys.readouterr().err
 
 
 def test_bad_values_fail_before_the_engine_starts(tiny_ckpt, tmp_path, capsys):
@@ -69,15 +82,18 @@ def test_ctrl_c_stops_the_server_with_status_0(tiny_ckpt):
 def test_chat_template_file_and_seed(tiny_ckpt, tmp_path):
     f = tmp_path / "chat.jinja"
     f.write_text(TEMPLATE)
-    app = make_app(tiny_ckpt, served_model_name="tiny", chat_template=str(f), seed=0, trust_remote_code=True,
-                   log_stats_interval=None)
+    app = make_app(tiny_ckpt, served_model_name=["tiny", "alias"], chat_template=str(f), seed=0,
+                   trust_remote_code=True, log_stats_interval=None)
     with ServerThread(app) as url:
+        # vLLM's several served names: each listed and taken, responses name the first
+        assert [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]] == ["tiny", "alias"]
         msgs = [{"role": "user", "content": "hi"}]
         r = httpx.post(url + "/tokenize", json={"messages": msgs}).json()
         assert bytes(r["tokens"]).decode() == "<user>hi<assistant>"     # the byte-level tokenizer
         assert httpx.get(url + "/tokenizer_info").json()["chat_template"] == TEMPLATE
-        body = {"messages": msgs, "max_tokens": 4, "temperature": 0}
-        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+        body = {"messages": msgs, "max_tokens": 4, "temperature": 0, "model": "alias"}
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+        assert (r.status_code, r.json()["model"]) == (200, "tiny")
 
 
 

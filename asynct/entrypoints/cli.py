@@ -53,8 +53,11 @@ def add_engine_args(p: argparse.ArgumentParser):
     g.add_argument("--cudagraph-mode", default="full_and_piecewise", choices=CUDAGRAPH_MODES,
                    help="full graphs for decode steps and piecewise graphs (attention eager) for "
                         "steps with prefill tokens, or decode graphs only")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="do not reuse the KV cache of shared prompt prefixes")
+    # vLLM's spellings too: --enable-prefix-caching (the default) and --no-enable-prefix-caching
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help=argparse.SUPPRESS)
+    g.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="do not reuse the KV cache of shared prompt prefixes")
     g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
                    help="finish each step before scheduling the next (debugging, comparisons)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],

@@ -9,14 +9,17 @@ def add_parser(sub):
     from asynct.entrypoints.cli import HelpFormatter, add_engine_args
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
                        formatter_class=HelpFormatter)
-    p.add_argument("model", metavar="MODEL_DIR")
+    # vLLM's `serve --model DIR` too (its positional form is newer)
+    p.add_argument("model", metavar="MODEL_DIR", nargs="?")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL_DIR", default=None, help="MODEL_DIR, as a flag")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=port, default=8000, help="TCP port, 0-65535")
     # vLLM's VLLM_API_KEY too: a deployment moved from `vllm serve` with it set served with no key at all
     p.add_argument("--api-key", default=os.environ.get("ASYNCT_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 and tokenizer routes (default: env ASYNCT_API_KEY, "
                         "else env VLLM_API_KEY, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: MODEL_DIR)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may send; responses name the first (default: MODEL_DIR)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template, or a file holding one, in place of the tokenizer's")
     p.add_argument("--seed", type=int, default=None,
@@ -40,6 +43,15 @@ def add_parser(sub):
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve)
     return p
+
+
+def model_dir(a) -> str:
+    """MODEL_DIR, given once: as the positional or as --model."""
+    if a.model and a.model_flag and a.model != a.model_flag:
+        raise ValueError(f"two models given: {a.model} and --model {a.model_flag}")
+    if not (a.model or a.model_flag):
+        raise ValueError("no model: give MODEL_DIR (or --model MODEL_DIR)")
+    return a.model or a.model_flag
 
 
 def port(s: str) -> int:
@@ -96,7 +108,7 @@ def cmd_serve(a):
     if a.max_queued_requests is not None and a.max_queued_requests < 0:
         raise ValueError("--max-queued-requests must be >= 0")
     with listen_socket(a.host, a.port) as sock:
-        app = make_app(a.model, a.served_model_name, a.api_key, a.max_queued_requests, a.max_request_bytes,
+        app = make_app(model_dir(a), a.served_model_name, a.api_key, a.max_queued_requests, a.max_request_bytes,
                        limits=server_limits(a), chat_template=a.chat_template,
                        log_stats_interval=None if a.disable_log_stats else 10.0, seed=a.seed,
                        tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=a.trust_remote_code,

@@ -64,9 +64,8 @@ def add_routes(app: FastAPI, ctx: ServingContext):
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "asynct",
-                "max_model_len": ctx.max_model_len}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": ctx.created, "owned_by": "asynct",
+                                            "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
 
     @app.get("/version")
     async def version():     # vLLM's: an operator's check of what runs
@@ -224,7 +223,7 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def make_app(model: str, served_model_name: str | None = None, api_key: str | None = None,
+def make_app(model: str, served_model_name: str | list[str] | None = None, api_key: str | None = None,
              max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
              limits: ServerLimits | None = None, log_stats_interval: float | None = 10.0,
              chat_template: str | None = None, **engine_kwargs) -> FastAPI:

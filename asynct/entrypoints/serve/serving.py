@@ -104,14 +104,17 @@ def _settle(future, result, error):
 
 
 class ServingContext:
-    def __init__(self, engine: AsyncEngine, model_dir: str, served_model_name: str | None,
+    def __init__(self, engine: AsyncEngine, model_dir: str, served_model_name: str | list[str] | None,
                  limits: ServerLimits | None = None, sampling_defaults: dict | None = None):
         self.engine, self.limits = engine, limits or ServerLimits()
         # the generation config's values for the fields a request leaves unset (vLLM's)
         self.sampling_defaults = sampling_defaults or {}
         self.workers = Workers()
-        self.model_name = served_model_name or model_dir
-        self.aliases = {self.model_name, model_dir}
+        # vLLM's: a request may name any of the served names; responses carry the first
+        self.model_names = [served_model_name] if isinstance(served_model_name, str) else \
+            list(served_model_name or [model_dir])
+        self.model_name = self.model_names[0]
+        self.aliases = {*self.model_names, model_dir}
         # the front end's own tokenizer: the engine's lives in the engine process
         self.detok = Detokenizer.from_path(engine.args.tokenizer or model_dir)
         self.tokenizer = self.detok.tokenizer if self.detok else None
