@@ -201,6 +201,27 @@ def test_stop_strings_wait_for_min_tokens(gsm):
     assert (short.finish_reason, short.stop_reason) == ("length", None)
 
 
+def test_detokenize_false_gives_token_ids_only(gsm):
+    """vLLM's detokenize=False: the same tokens and logprobs, no text and no decoded tokens,
+    streamed or not; stop strings (they match text) are refused by name. Both were a TypeError."""
+    kw = dict(temperature=0, max_tokens=12, logprobs=1, prompt_logprobs=1)
+    want = gsm.generate(QUESTION, SamplingParams(**kw), use_tqdm=False)[0]
+    got = gsm.generate(QUESTION, SamplingParams(detokenize=False, spaces_between_special_tokens=False, **kw),
+                       use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids and want.outputs[0].text
+    assert got.outputs[0].text == ""
+    assert [{t: lp.logprob for t, lp in e.items()} for e in got.outputs[0].logprobs] == \
+        [{t: lp.logprob for t, lp in e.items()} for e in want.outputs[0].logprobs]
+    assert all(lp.decoded_token is None for e in got.outputs[0].logprobs for lp in e.values())
+    assert all(lp.decoded_token is None for e in got.prompt_logprobs[1:] for lp in e.values())
+    engine = gsm.llm_engine
+    engine.add_request("s", QUESTION, SamplingParams(detokenize=False, temperature=0, max_tokens=6), stream=True)
+    outs = [o for _ in range(20) for o in engine.step() if o.request_id == "s"]
+    assert {o.outputs[0].text for o in outs} == {""} and outs[-1].finished
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(detokenize=False, stop=["\n"])
+
+
 def test_stop_token_text_is_left_out(gsm):
     """As vLLM: the stop token that ends an output (one of stop_token_ids, or EOS) stays in
     token_ids but its text is left out, unless include_stop_str_in_output; so a newline stop

@@ -45,6 +45,12 @@ class SamplingParams:
     # serves no request with prompt_logprobs otherwise: each position's logits must be computed)
     prompt_logprobs_start: int = 0
     skip_special_tokens: bool = True
+    # vLLM's: accepted for its callers; the fast tokenizers asynct loads decode without it, as
+    # vLLM's fast detokenizer does
+    spaces_between_special_tokens: bool = True
+    # vLLM's: False leaves the text (and logprobs' decoded tokens) out: token ids only, no
+    # decoding work (lm-eval's vllm backend scores so)
+    detokenize: bool = True
     # as vLLM V1, on the raw logits of greedy rows too (asynct.engine.penalties)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -145,6 +151,7 @@ class SamplingParams:
             (self.seed is not None and not INT64_MIN <= self.seed < UINT64_END,
              f"seed must fit in 64 bits ([-2**63, 2**64)), got {self.seed}"),
             (any(not s for s in self.stop_list), "stop strings must be non-empty strings"),
+            (self.stop_list and not self.detokenize, "stop strings need detokenize=True (they match the text)"),
             (any(not 0 <= t < INT64_END for t in self.stop_token_ids), "stop_token_ids must be token ids"),
             *[(not -MAX_PENALTY <= v <= MAX_PENALTY, f"{name} must be in [-2, 2], got {v}")
               for name, v in (("presence_penalty", self.presence_penalty),

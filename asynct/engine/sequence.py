@@ -114,4 +114,4 @@ class Request:
 
     @property
     def incremental(self) -> bool:
-        return self.stream or bool(self.params.stop_list)
+        return self.params.detokenize and (self.stream or bool(self.params.stop_list))

@@ -56,12 +56,12 @@ class StepFinishMixin:
         seq.append_token(token)
         self.stats["generation_tokens"] += 1
         if logprob is not None:
-            seq.logprobs.append(self.detokenizer.annotate(logprob) if self.detokenizer else logprob)
+            seq.logprobs.append(self.detokenizer.annotate(logprob) if self._decodes(seq) else logprob)
             seq.cumulative_logprob += logprob[token].logprob
         reason = self._stop_reason(seq, req, token)
         if reason is not None:
             self.scheduler.finish(seq, reason)
-            if self.detokenizer and not isinstance(seq.stop_reason, str):
+            if self._decodes(seq) and not isinstance(seq.stop_reason, str):
                 # incremental text holds back an unfinished character; the whole text has it
                 seq.text = self._final_text(seq)
 
@@ -88,14 +88,17 @@ class StepFinishMixin:
             self.requests.pop(req.request_id, None)
         s0 = req.seqs[0]
         plp = s0.prompt_logprobs
-        if plp is not None and self.detokenizer:
+        if plp is not None and self._decodes(s0):
             plp = [e if e is None else self.detokenizer.annotate(e) for e in plp]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, plp, outs, req.finished,
                              num_cached_tokens=s0.num_cached_tokens)
 
+    def _decodes(self, seq: Sequence) -> bool:
+        return self.detokenizer is not None and seq.params.detokenize
+
     def _text(self, seq: Sequence, req: Request) -> str:
         """Text is kept current each step only where stop strings or streaming need it."""
-        if self.detokenizer is None:
+        if not self._decodes(seq):
             return ""
         if req.incremental:
             # as vLLM, a running stream never shows text that a stop string may still cut
