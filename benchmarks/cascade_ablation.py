@@ -77,12 +77,13 @@ def engine_rows(model, bw):
             run_engine(llm, reqs[:8])
             res = run_engine(llm, reqs)
             batch = 256 if name == "throughput" else None
-            rows.append((label, name, res["wall_s"], res["output_tok_s"], decode_roofline(res, llm, bw, batch)))
+            roof = decode_roofline(res, llm, bw, batch, reqs)
+            rows.append((label, name, res["wall_s"], res["output_tok_s"], roof))
         del llm
         gc.collect()
         torch.cuda.empty_cache()
     triton_backend.CASCADE_MIN_DECODES = default
-    print("\n| engine | workload | wall s | output tok/s | step ms | roofline ms (no sharing) |")
+    print("\n| engine | workload | wall s | output tok/s | step ms | roofline ms (shared prefix once) |")
     print("|---|---|---|---|---|---|")
     for label, name, wall, tps, roof in rows:
         print(f"| {label} | {name} | {wall:.2f} | {tps:.0f} | {roof['step_ms']:.2f} | {roof['roofline_ms']:.2f} |")

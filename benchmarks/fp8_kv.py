@@ -122,7 +122,7 @@ def engine_runs(model, workloads, scale, copy_bw, engine_kw):
             run_engine(llm, reqs[:8])                                       # warm-up, same shapes
             res = run_engine(llm, reqs)
             batch = min(len(reqs), eng.args.max_num_seqs) if name == "throughput" else None
-            roof = decode_roofline(res, llm, copy_bw, batch)
+            roof = decode_roofline(res, llm, copy_bw, batch, reqs)
             rows.append(dict(part="engine", kv=kv, workload=name, wall_s=res["wall_s"],
                              step_ms=roof.get("step_ms", float("nan")),
                              roofline_ms=roof.get("roofline_ms", float("nan")),

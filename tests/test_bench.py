@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from asynct.entrypoints.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,3 +125,44 @@ def test_a_step_is_charged_its_own_launch_not_the_next_ones(monkeypatch):
     assert [r.kind for r in eng.step_log] == ["graph", "graph", "piecewise mixed"]
     assert walls == [3.0 - 2.0 + 2.0, 27.0 - 23.0 + 2.0, 5.0 + 23.0]
     assert sum(walls) == (45.0 - 10.0) + 2.0
+
+
+def _distinct_kv_tokens(monkeypatch, runner):
+    """Per decode-only step launched: the keys its rows hold in distinct KV blocks (a block that
+    several rows share counted once), from the batch's own block table."""
+    seen, launch = [], runner.launch
+
+    def counting(batch):
+        out = launch(batch)
+        if batch.is_decode_only:
+            bs, fill = runner.block_size, {}
+            for row, (s, n) in zip(batch.block_table, zip(batch.seqs, batch.num_tokens)):
+                keys = s.num_computed_tokens + n
+                for j in range(-(-keys // bs)):
+                    fill[int(row[j])] = max(fill.get(int(row[j]), 0), min(bs, keys - j * bs))
+            seen.append(sum(fill.values()))
+        return out
+    monkeypatch.setattr(runner, "launch", counting)
+    return seen
+
+
+def test_decode_roofline_reads_a_shared_prefix_once(tiny_ckpt, monkeypatch):
+    """gsm8k's rows hold the 5-shot prefix in the same KV blocks (prefix cache; the engine's
+    cascade decode reads them once per tile of rows): the roofline counted the prefix once a
+    row, 3.2x the KV the rows hold at bench-0.6b's gsm8k (scale 1), so a gsm8k step that took
+    3.1x its roofline read as 1.00x. Its KV is now the distinct blocks' keys."""
+    from asynct import LLM
+    from asynct.entrypoints.bench import decode_roofline, run_engine, weight_bytes, workload
+    llm = LLM(str(tiny_ckpt), enforce_eager=True)
+    eng = llm.llm_engine
+    reqs = workload("gsm8k", eng.config.vocab_size, 0.05)
+    run_engine(llm, reqs[:8])                     # the bench's warm-up: the prefix is cached
+    distinct = _distinct_kv_tokens(monkeypatch, eng.runner)
+    res = run_engine(llm, reqs)
+    decodes = [r for r in res["step_log"] if r.kind == "decode"]
+    assert len(decodes) == len(distinct) > 0
+    kv_per_token = eng.runner.block_bytes // eng.args.block_size
+    want = sum(weight_bytes(eng.runner.model) + k * kv_per_token for k in distinct) / len(distinct)
+    roof = decode_roofline(res, llm, 1.0, requests=reqs)
+    assert roof["roofline_ms"] == pytest.approx(want * 1e3, rel=1e-9)
+    assert sum(r.kv_tokens for r in decodes) > 2 * sum(distinct)     # what the old count read

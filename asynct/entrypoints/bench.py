@@ -1,6 +1,7 @@
 """The measurements behind `asynct bench`: its workloads, the device's copy bandwidth, a timed
 engine run, the roofline of a decode step, and HF eager as the peer. The command (bench_cli.py)
 and the scripts in benchmarks/ share them, so a script's numbers are the command's."""
+import os
 import random
 import time
 
@@ -101,18 +102,35 @@ def _refuse_failed(outs):
                          "lengths scale with --scale: lower it, or raise --max-model-len)")
 
 
-def decode_roofline(result, llm, bandwidth, batch=None) -> dict:
+def shared_prefix_tokens(requests, block_size: int, prefix_caching: bool) -> int:
+    """Leading prompt tokens that every request shares, in whole blocks before each prompt's
+    last token: with the prefix cache they are the same KV blocks in every running sequence
+    (gsm8k's 5-shot prefix), which a decode step must read once, not once a row (the engine's
+    cascade decode reads them once per tile of rows). 0 without the prefix cache."""
+    prompts = [p for p, _ in requests]
+    if not prefix_caching or len(prompts) < 2:
+        return 0
+    common = min(len(os.path.commonprefix(prompts)), min(len(p) for p in prompts) - 1)
+    return max(0, common) // block_size * block_size
+
+
+def decode_roofline(result, llm, bandwidth, batch=None, requests=None) -> dict:
     """Mean decode-step time (at `batch` running sequences, or all decode steps) against
-    (weights + KV actually read) / copy bandwidth."""
+    (weights + KV actually read) / copy bandwidth. The KV a step reads is its rows' keys
+    (the engine's kv_tokens), a prefix that all of `requests` share (shared_prefix_tokens)
+    counted once: a row's own copy of it is the same blocks as every other row's."""
     eng = llm.llm_engine
     steps = [r for r in result["step_log"] if r.kind in ("graph", "decode")
              and (batch is None or r.num_seqs == batch)]
     if not steps:
         return {}
     kv_per_token = eng.runner.block_bytes // eng.args.block_size
+    shared = 0 if requests is None else shared_prefix_tokens(requests, eng.args.block_size,
+                                                             eng.args.enable_prefix_caching)
     wb = weight_bytes(eng.runner.model)
     mean = sum(r.wall_s for r in steps) / len(steps)
-    roof = sum(wb + r.kv_tokens * kv_per_token for r in steps) / len(steps) / bandwidth
+    kv = [r.kv_tokens - (r.num_seqs - 1) * shared for r in steps]
+    roof = sum(wb + k * kv_per_token for k in kv) / len(steps) / bandwidth
     return {"decode_steps": len(steps), "decode_batch": batch or round(sum(r.num_seqs for r in steps) / len(steps)),
             "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
 

@@ -136,7 +136,10 @@ def bench(a, model, device):
         with _compiles(device) as during:
             res = run_engine(llm, reqs, progress=True)
         batch = min(len(reqs), a.max_num_seqs) if name == "throughput" else None
-        roof = prefill_roofline(res, llm, reqs, flops) if name == "prefill" else decode_roofline(res, llm, bw, batch)
+        if name == "prefill":
+            roof = prefill_roofline(res, llm, reqs, flops)
+        else:
+            roof = decode_roofline(res, llm, bw, batch, reqs)
         if a.breakdown:
             print_breakdown(name, breakdown(res["step_log"]), during)
         res.pop("step_log")
