@@ -162,7 +162,26 @@ def test_decode_roofline_reads_a_shared_prefix_once(tiny_ckpt, monkeypatch):
     decodes = [r for r in res["step_log"] if r.kind == "decode"]
     assert len(decodes) == len(distinct) > 0
     kv_per_token = eng.runner.block_bytes // eng.args.block_size
-    want = sum(weight_bytes(eng.runner.model) + k * kv_per_token for k in distinct) / len(distinct)
+    written = [r.num_seqs for r in decodes]     # each row's new key and value
+    want = sum(weight_bytes(eng.runner.model) + (k + w) * kv_per_token
+               for k, w in zip(distinct, written)) / len(distinct)
     roof = decode_roofline(res, llm, 1.0, requests=reqs)
     assert roof["roofline_ms"] == pytest.approx(want * 1e3, rel=1e-9)
     assert sum(r.kv_tokens for r in decodes) > 2 * sum(distinct)     # what the old count read
+
+
+def test_decode_roofline_counts_the_keys_a_step_writes():
+    """A decode step writes each row's new key and value to the cache and reads them back with
+    the rest (kv_tokens holds the read): the write was not counted."""
+    from types import SimpleNamespace
+    import torch
+    from asynct.entrypoints.bench import decode_roofline
+    model = torch.nn.Linear(4, 4, bias=False)      # 64 bytes of weights
+    model.lm_head = None
+    eng = SimpleNamespace(runner=SimpleNamespace(block_bytes=16 * 100, model=model),
+                          args=SimpleNamespace(block_size=16, enable_prefix_caching=True))
+    log = [SimpleNamespace(kind="graph", num_seqs=4, kv_tokens=40, wall_s=9.0),
+           SimpleNamespace(kind="mixed", num_seqs=4, kv_tokens=400, wall_s=1.0)]
+    roof = decode_roofline({"step_log": log}, SimpleNamespace(llm_engine=eng), 1e3)
+    assert roof["roofline_ms"] == pytest.approx((64 + (40 + 4) * 100) / 1e3 * 1e3)
+    assert roof["step_over_roofline"] == pytest.approx(9.0 / 4.464)

@@ -116,7 +116,7 @@ def shared_prefix_tokens(requests, block_size: int, prefix_caching: bool) -> int
 
 def decode_roofline(result, llm, bandwidth, batch=None, requests=None) -> dict:
     """Mean decode-step time (at `batch` running sequences, or all decode steps) against
-    (weights + KV actually read) / copy bandwidth. The KV a step reads is its rows' keys
+    (weights + KV actually read + the step's new KV written) / copy bandwidth. The KV a step reads is its rows' keys
     (the engine's kv_tokens), a prefix that all of `requests` share (shared_prefix_tokens)
     counted once: a row's own copy of it is the same blocks as every other row's."""
     eng = llm.llm_engine
@@ -130,7 +130,8 @@ def decode_roofline(result, llm, bandwidth, batch=None, requests=None) -> dict:
     wb = weight_bytes(eng.runner.model)
     mean = sum(r.wall_s for r in steps) / len(steps)
     kv = [r.kv_tokens - (r.num_seqs - 1) * shared for r in steps]
-    roof = sum(wb + k * kv_per_token for k in kv) / len(steps) / bandwidth
+    # each row's new key and value are written to the cache, then read with the rest
+    roof = sum(wb + (k + r.num_seqs) * kv_per_token for k, r in zip(kv, steps)) / len(steps) / bandwidth
     return {"decode_steps": len(steps), "decode_batch": batch or round(sum(r.num_seqs for r in steps) / len(steps)),
             "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
 
