@@ -185,3 +185,26 @@ def test_decode_roofline_counts_the_keys_a_step_writes():
     roof = decode_roofline({"step_log": log}, SimpleNamespace(llm_engine=eng), 1e3)
     assert roof["roofline_ms"] == pytest.approx((64 + (40 + 4) * 100) / 1e3 * 1e3)
     assert roof["step_over_roofline"] == pytest.approx(9.0 / 4.464)
+
+
+def test_prefill_roofline_counts_only_the_tokens_computed(tiny_ckpt):
+    """The bench warms up on the workload's first 8 requests, so the measured prefill run finds
+    their prompts in the prefix cache and computes only their last partial block; the FLOPs
+    counted every prompt token (bench-0.6b, scale 1: 11,136 cached tokens, 2.1 % more FLOPs
+    than computed). Cached tokens now cost no linear or attention FLOPs."""
+    from asynct import LLM
+    from asynct.entrypoints.bench import prefill_flops, prefill_roofline, run_engine, workload
+    llm = LLM(str(tiny_ckpt), enforce_eager=True)
+    eng, c = llm.llm_engine, llm.llm_engine.config
+    reqs = workload("prefill", c.vocab_size, 0.02)
+    run_engine(llm, reqs[:8])
+    res = run_engine(llm, reqs)
+    lens, cached = [len(p) for p, _ in reqs], res["cached_per_request"]
+    assert sum(cached[:8]) > 0 and sum(n - k for n, k in zip(lens, cached)) == res["prefill_tokens"]
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = (q + 2 * kv) * c.hidden_size + q * c.hidden_size + 3 * c.intermediate_size * c.hidden_size
+    want = sum(2 * c.num_hidden_layers * per_layer * (n - k) + 2 * c.vocab_size * c.hidden_size
+               + 4 * c.num_hidden_layers * q * sum(range(k + 1, n + 1)) for n, k in zip(lens, cached))
+    assert prefill_flops(eng.runner.model, c, lens, cached) == want
+    roof = prefill_roofline(res, llm, reqs, 1e12)
+    assert roof["prefill_roofline_s"] == pytest.approx(want / 1e12)

@@ -90,7 +90,8 @@ def run_engine(llm, requests, progress: bool = False) -> dict:
     log, engine.step_log = engine.step_log, None
     return {"wall_s": wall, "requests": len(requests), "output_tokens": out_tokens,
             "output_tok_s": out_tokens / wall, "prefill_tokens": prefill, "prefill_tok_s": prefill / wall,
-            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs), "step_log": log}
+            "cached_prompt_tokens": sum(o.num_cached_tokens for o in outs), "step_log": log,
+            "cached_per_request": [o.num_cached_tokens for o in outs]}
 
 
 def _refuse_failed(outs):
@@ -136,20 +137,26 @@ def decode_roofline(result, llm, bandwidth, batch=None, requests=None) -> dict:
             "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
 
 
-def prefill_flops(model, config, prompt_lens) -> float:
-    """FLOPs of scoring these prompts: every linear but the LM head once a token, the head once
-    a prompt, causal attention's two products (2 x multiply-adds)."""
+def prefill_flops(model, config, prompt_lens, cached=None) -> float:
+    """FLOPs of scoring these prompts: every linear but the LM head once a computed token, the
+    head once a prompt, causal attention's two products (2 x multiply-adds) for the computed
+    tokens' rows. `cached`: each prompt's leading tokens found in the prefix cache (computed
+    by nothing in this run)."""
     named = dict(model.named_parameters())
     head = named.get("lm_head.weight", named["embed_tokens.weight"]).numel()
     linear = sum(p.numel() for n, p in named.items() if p.dim() == 2 and "embed" not in n and "lm_head" not in n)
     attn = 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    return sum(2 * linear * n + 2 * head + attn * n * (n + 1) / 2 for n in prompt_lens)
+    cached = cached or [0] * len(prompt_lens)
+    return sum(2 * linear * (n - c) + 2 * head + attn * (n * (n + 1) - c * (c + 1)) / 2
+               for n, c in zip(prompt_lens, cached, strict=True))
 
 
 def prefill_roofline(result, llm, requests, flops_per_s) -> dict:
-    """A decode-free workload's wall time against its FLOPs at the matmul's rate."""
+    """A decode-free workload's wall time against its FLOPs at the matmul's rate; prompt
+    tokens the prefix cache held (the warm-up's requests are the workload's first) count none."""
     eng = llm.llm_engine
-    flops = prefill_flops(eng.runner.model, eng.config, [len(p) for p, _ in requests])
+    flops = prefill_flops(eng.runner.model, eng.config, [len(p) for p, _ in requests],
+                          result.get("cached_per_request"))
     roof = flops / flops_per_s
     return {"prefill_tflops": flops / result["wall_s"] / 1e12, "prefill_roofline_s": roof,
             "prefill_over_roofline": result["wall_s"] / roof}

@@ -143,6 +143,7 @@ def bench(a, model, device):
         if a.breakdown:
             print_breakdown(name, breakdown(res["step_log"]), during)
         res.pop("step_log")
+        res.pop("cached_per_request")
         row = {"workload": name, **res, **roof, "compiles": len(during.compiles) if during else None}
         if a.compare == "hf":
             most = 512 if a.hf_requests is None else a.hf_requests
