@@ -19,7 +19,8 @@ unfused ops they replace (cuBLAS + the elementwise kernels), same run, on bench-
    decode steps write split partials and sum them (no fp32 sums), one whose fused linears stop
    at 32 rows (try --batches 40,48,64), one whose decode takes its rows in batch order, not
    longest first (try --uneven 100,2048: contexts of 100-2,048 keys, not 384 each), and one
-   without fused linears, against the step's roofline: weights + KV read once at the copy
+   without fused linears, against the step's roofline: weights + the KV the timed steps read
+   (their contexts: the prompts and the tokens decoded so far) and write, once, at the copy
    bandwidth."""
 import argparse
 import contextlib
@@ -196,7 +197,28 @@ def contexts(batch, context) -> list[int]:
     return torch.randint(context[0], context[1] + 1, (batch,), generator=torch.Generator().manual_seed(batch)).tolist()
 
 
+def decode_keys(eng) -> int:
+    """Keys the running sequences hold in the cache: a decode step of them all reads these and
+    one more a row (its new token's, which it writes first)."""
+    return sum(s.num_computed_tokens for s in eng.scheduler.running)
+
+
+def timed_decode(eng, batch, steps) -> tuple[float, float]:
+    """(mean seconds, mean keys read) of `steps` decode steps of `batch` sequences: the keys
+    grow by one a row each step, so the mean is (keys before + keys after + batch) / 2."""
+    before = decode_keys(eng)
+    seconds = mean_step(eng, steps)
+    return seconds, (before + decode_keys(eng) + batch) / 2
+
+
+def step_roofline(weights, kv_per_token, keys, batch, copy_bw) -> float:
+    """Seconds of a decode step at the copy bandwidth (TB/s): the weights, the `keys` its
+    attention reads, and the key and value it writes a row."""
+    return (weights + (keys + batch) * kv_per_token) / (copy_bw * 1e12)
+
+
 def engine_steps(model, mode, batches, context):
+    """{batch: (mean step seconds, mean keys a step read)}, weight bytes, KV bytes a token."""
     with mode():
         llm = LLM(model, max_num_seqs=max(batches), gpu_memory_utilization=0.3,
                   cudagraph_mode="full_decode_only")
@@ -204,7 +226,7 @@ def engine_steps(model, mode, batches, context):
         for b in batches:
             fill_decodes(llm, b, contexts(b, context))
             mean_step(eng, 10)
-            out[b] = mean_step(eng, 100)
+            out[b] = timed_decode(eng, b, 100)
             for seq in list(eng.scheduler.running):
                 eng.abort_request(seq.request_id)
             while eng.has_unfinished_requests():
@@ -230,16 +252,17 @@ def steps_table(model, copy_bw, names, batches, context=384):
     ms = {}
     for name, mode in modes.items():
         ms[name], weights, kv_per_token = engine_steps(model, mode, batches, context)
-    print(f"\ndecode step ms, context {context}, full CUDA graphs; roofline = (weights {weights / 1e9:.2f} GB"
-          f" + KV) / copy BW")
+    print(f"\ndecode step ms, prompts of {context} keys, full CUDA graphs; roofline = (weights "
+          f"{weights / 1e9:.2f} GB + the KV the timed steps read and write) / copy BW")
     peers = list(modes)[:-1]
-    print(" | ".join(["batch", *modes, *(f"{n} / fused" for n in peers), "roofline", "fused / roofline"]))
+    print(" | ".join(["batch", *modes, *(f"{n} / fused" for n in peers), "keys a row", "roofline",
+                      "fused / roofline"]))
     for b in batches:
-        roof = (weights + sum(contexts(b, context)) * kv_per_token) / (copy_bw * 1e12)
-        f = ms["fused"][b]
-        print(" | ".join([str(b), *(f"{ms[n][b] * 1e3:.3f}" for n in modes),
-                          *(f"{ms[n][b] / f:.2f}" for n in peers), f"{roof * 1e3:.3f}", f"{f / roof:.2f}"]),
-              flush=True)
+        f, keys = ms["fused"][b]
+        roof = step_roofline(weights, kv_per_token, keys, b, copy_bw)
+        print(" | ".join([str(b), *(f"{ms[n][b][0] * 1e3:.3f}" for n in modes),
+                          *(f"{ms[n][b][0] / f:.2f}" for n in peers), f"{keys / b:.0f}", f"{roof * 1e3:.3f}",
+                          f"{f / roof:.2f}"]), flush=True)
 
 
 def main():

@@ -208,3 +208,26 @@ def test_prefill_roofline_counts_only_the_tokens_computed(tiny_ckpt):
     assert prefill_flops(eng.runner.model, c, lens, cached) == want
     roof = prefill_roofline(res, llm, reqs, 1e12)
     assert roof["prefill_roofline_s"] == pytest.approx(want / 1e12)
+
+
+def test_small_batch_roofline_reads_the_keys_of_the_timed_steps(tiny_ckpt, monkeypatch):
+    """small_batch.py's step table roofed its 100 timed decode steps with the prompts' keys
+    alone (384 a row), where those steps come after 10 warm-up steps and read 395-494 keys a
+    row (and write one): bench-0.6b's roofline at 48 rows was 8 % short. The keys now come from
+    the sequences before and after the timed steps, as the engine's own kv_tokens counts them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import small_batch
+    from asynct import LLM
+    llm = LLM(str(tiny_ckpt), enforce_eager=True, max_num_seqs=4)
+    eng = llm.llm_engine
+    small_batch.fill_decodes(llm, 4, [30, 40, 50, 60])
+    for _ in range(10):
+        eng.step()
+    monkeypatch.setattr(small_batch, "mean_step", lambda eng, n: [eng.step() for _ in range(n)] and 1.0)
+    eng.step_log = []
+    seconds, keys = small_batch.timed_decode(eng, 4, 20)
+    log, eng.step_log = eng.step_log, None
+    assert seconds == 1.0 and {r.kind for r in log} == {"decode"}
+    assert keys == pytest.approx(sum(r.kv_tokens for r in log) / len(log), abs=4)   # within a step's growth
+    assert keys > 4 * (45 + 10)
+    assert small_batch.step_roofline(100, 10, keys, 4, 1e-12) == pytest.approx(100 + (keys + 4) * 10)
