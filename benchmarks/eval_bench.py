@@ -15,6 +15,7 @@ CUDA graph capture count, as a user would see them), timed by wall clock.
 """
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = {"tiny_gsm_bench": ("exact_match,strict-match", 1319, "5-shot, max_gen_toks 256"),
          "tiny_gsm_mc": ("acc,none", 200, "4 choices, loglikelihood")}   # metric, problems, what
+GENERATE_TASKS = {"tiny_gsm_bench"}
 
 # Times the evaluation apart from start-up, so a run on part of the task extrapolates only the part
 # that grows with the number of problems.
@@ -75,6 +77,16 @@ def run_asynct(model, task, limit, work, env, extra):
     return secs, rc, score(max(out.rglob("results_*.json"), default=None), task), tail  # lm-eval's layout
 
 
+def hf_scale(limit: int, n: int, batch: int, generate: bool) -> float:
+    """The whole task's evaluation time over the timed part's. hf's generate_until runs
+    batches of `batch` requests, each as long as its longest generation (random weights:
+    max_gen_toks in every row), so a partial batch costs a whole one: scaled by batches.
+    Loglikelihood requests cost their tokens: scaled by problems."""
+    if generate:
+        return math.ceil(n / batch) / math.ceil(limit / batch)
+    return n / limit
+
+
 def run_hf(model, limit, n, work, env, args):
     """Wall time of `lm_eval --model hf`, extrapolated to n problems when it ran on fewer."""
     out = work / "hf.json"
@@ -83,7 +95,7 @@ def run_hf(model, limit, n, work, env, args):
     secs, rc, tail = timed(cmd, env)
     if rc == 0 and limit < n:
         eval_s = json.loads(out.read_text())["eval_s"]
-        secs += eval_s * (n / limit - 1)
+        secs += eval_s * (hf_scale(limit, n, args.hf_batch_size, args.task in GENERATE_TASKS) - 1)
     return secs, rc, score(out, args.task), tail
 
 

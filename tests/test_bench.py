@@ -231,3 +231,21 @@ def test_small_batch_roofline_reads_the_keys_of_the_timed_steps(tiny_ckpt, monke
     assert keys == pytest.approx(sum(r.kv_tokens for r in log) / len(log), abs=4)   # within a step's growth
     assert keys > 4 * (45 + 10)
     assert small_batch.step_roofline(100, 10, keys, 4, 1e-12) == pytest.approx(100 + (keys + 4) * 10)
+
+
+def test_eval_bench_extrapolates_hf_generation_by_batches(tmp_path, monkeypatch):
+    """eval_bench.py --hf-limit scaled hf's timed evaluation by problems (n / limit), but hf's
+    generate_until runs whole batches of --hf-batch-size, each as long as its longest row (256
+    tokens with random weights): 100 of 1,319 problems at batch 64 are 2 batches of the 21 the
+    task takes, 10.5x, not 13.19x (hf's time 26 % too long, the speed-up as much too high);
+    64 of 1,319 is 21x, not 20.6x. Loglikelihood tasks still scale by problems."""
+    from types import SimpleNamespace
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import eval_bench
+    (tmp_path / "hf.json").write_text(json.dumps({"results": {}, "eval_s": 8.0}))
+    monkeypatch.setattr(eval_bench, "timed", lambda cmd, env: (10.0, 0, ""))
+    args = SimpleNamespace(hf_batch_size=64, device="cpu", hf_dtype="auto", task="tiny_gsm_bench")
+    assert eval_bench.run_hf("m", 100, 1319, tmp_path, {}, args)[0] == pytest.approx(10.0 + 8.0 * (21 / 2 - 1))
+    assert eval_bench.run_hf("m", 64, 1319, tmp_path, {}, args)[0] == pytest.approx(10.0 + 8.0 * 20)
+    args.task = "tiny_gsm_mc"
+    assert eval_bench.run_hf("m", 50, 200, tmp_path, {}, args)[0] == pytest.approx(10.0 + 8.0 * 3)
