@@ -31,13 +31,26 @@ def matmul_flops(device, dtype) -> float:
 
 
 def _median_seconds(device, fn) -> float:
-    """fn's median time over 10 runs after 2 warm-up runs."""
-    times = []
-    for _ in range(12):
-        t0 = _now(device)
-        fn()
-        times.append(_now(device) - t0)
+    """fn's median time over 10 runs after 2 warm-up runs; on CUDA its device time (events): a
+    host clock around synchronize adds the launch and the sync, ~2 % of a 0.5 ms copy, which
+    made the copy bandwidth, and so every decode roofline, read low."""
+    times = [_seconds(device, fn) for _ in range(12)]
     return sorted(times[2:])[len(times[2:]) // 2]
+
+
+def _seconds(device, fn) -> float:
+    import torch
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    with torch.cuda.device(device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def _now(device) -> float:
