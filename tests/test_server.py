@@ -143,6 +143,16 @@ def test_chat(client, llm):
     assert content[0].logprob == pytest.approx(content[0].top_logprobs[0].logprob)   # greedy = top-1
 
 
+def test_null_n_stream_echo_logprobs_take_their_defaults(client):
+    """OpenAI's API and vLLM's server take null for these: the client sends `n=None` as null, and
+    code that passes its own None through got a 400 here."""
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=None, stream=None, echo=None)
+    assert len(r.choices) == 1 and not r.choices[0].text.startswith("Hi")
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       n=None, stream=None, logprobs=None)
+    assert len(r.choices) == 1 and r.choices[0].logprobs is None
+
+
 def test_echo_logprobs_equal_prompt_logprobs(url, llm):
     """lm-eval's loglikelihood request: max_tokens 1, logprobs 1, echo: the prompt's logprobs
     must be the engine's own (what every loglikelihood score is summed from)."""

@@ -1,6 +1,6 @@
 """Request bodies of the chat route and /tokenize (which renders messages as the chat route does):
 messages, tools and the chat template's options; the sampling fields are protocol.py's."""
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
@@ -62,6 +62,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     echo: bool = False        # vLLM's: the answer starts with the last message, where it continues it
     add_special_tokens: bool = False      # vLLM's: the template writes BOS itself
+    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "logprobs")
 
     def api_param(self, field: str) -> str:
         if field == "max_tokens" and self.max_completion_tokens is not None:

@@ -100,6 +100,16 @@ class SamplingFields(Body):
     # SamplingParams' fields (and the engine's "prompt") that this request calls otherwise: an
     # error names the field the client sent
     RENAMED: ClassVar[dict] = {}
+    # fields OpenAI's API (and vLLM's server) take as null, meaning their default: the client sends
+    # a caller's `n=None` as null
+    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls.NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (k in cls.NULL_IS_DEFAULT and v is None)}
+        return data
 
     def api_param(self, field: str) -> str:
         return self.RENAMED.get(field, field)
@@ -182,6 +192,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True       # vLLM's: a text prompt gets the tokenizer's BOS
     RENAMED: ClassVar[dict] = {"prompt_logprobs": "logprobs"}      # echo's prompt logprobs: `logprobs` asks for them
+    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "echo")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
