@@ -123,6 +123,38 @@ def test_stop_token_text_is_left_out(client, llm):
     assert "".join(c.text for c in chunks) == want and sum((c.token_ids for c in chunks), []) == ids
 
 
+def test_return_token_ids_as_vllm(client, llm):
+    """vLLM's return_token_ids: the prompt's ids (completions: on each choice; chat: on the response)
+    and each choice's generated ids; streamed, the prompt's come once (a completion choice's first
+    chunk; chat: the chunk of each choice's role) and each chunk has its new ids."""
+    kw = dict(model="tiny", max_tokens=6, temperature=0, n=2, extra_body={"return_token_ids": True})
+    r = client.completions.create(prompt=PROMPTS[:2], **kw)
+    wants = [ref(llm, p, SamplingParams(temperature=0, max_tokens=6)) for p in PROMPTS[:2]]
+    for c in r.choices:
+        want = wants[c.index // 2]
+        assert (c.prompt_token_ids, c.token_ids) == (want.prompt_token_ids, want.outputs[0].token_ids)
+    for c in range(4):
+        chunks = [ch.choices[0] for ch in client.completions.create(prompt=PROMPTS[:2], stream=True, **kw)
+                  if ch.choices and ch.choices[0].index == c]
+        want = wants[c // 2]
+        assert chunks[0].prompt_token_ids == want.prompt_token_ids
+        assert all(getattr(ch, "prompt_token_ids", None) is None for ch in chunks[1:])
+        assert sum((ch.token_ids for ch in chunks), []) == want.outputs[0].token_ids
+    messages = [{"role": "user", "content": "Hi there"}]
+    tok = llm.get_tokenizer()
+    ids = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)
+    want = ref(llm, ids, SamplingParams(temperature=0, max_tokens=6)).outputs[0]
+    r = client.chat.completions.create(messages=messages, **kw)
+    assert r.prompt_token_ids == ids and [c.token_ids for c in r.choices] == [want.token_ids] * 2
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kw))
+    for c in range(2):
+        mine = [ch for ch in chunks if ch.choices[0].index == c]
+        assert mine[0].choices[0].delta.role == "assistant" and mine[0].prompt_token_ids == ids
+        assert all(getattr(ch, "prompt_token_ids", None) is None for ch in mine[1:])
+        assert sum((ch.choices[0].token_ids for ch in mine[1:]), []) == want.token_ids
+
+
 def test_chat(client, llm):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     tok = llm.get_tokenizer()

@@ -89,7 +89,8 @@ def test_completion_chunks_equal_the_encoded_dicts(return_token_ids, usage, reas
             k = len(c.token_ids)
             choice = {"index": i, "text": (TEXTS if i == 0 else TEXTS[::-1])[k - 1], "logprobs": None,
                       "finish_reason": c.finish_reason}
-            if return_token_ids:
+            if return_token_ids:      # as vLLM's: the prompt's ids with a choice's first chunk
+                choice.update({"prompt_token_ids": [[1, 2, 3], [4, 5]][i]} if k == 1 else {})
                 choice["token_ids"] = c.token_ids[k - 1:k]
             if c.finished:
                 choice["stop_reason"] = c.stop_reason
@@ -105,28 +106,33 @@ def test_completion_chunks_equal_the_encoded_dicts(return_token_ids, usage, reas
     assert pieces == want      # one write per update: the first one carries both prompts' events
 
 
+@pytest.mark.parametrize("return_token_ids", [False, True])
 @pytest.mark.parametrize("continuous", [False, True])
 @pytest.mark.parametrize("texts", [TEXTS, [" a", ""]])    # an empty last piece: the finished delta is {}
-def test_chat_chunks_equal_the_encoded_dicts(continuous, texts):
+def test_chat_chunks_equal_the_encoded_dicts(continuous, texts, return_token_ids):
     stream_options = {"include_usage": True, "continuous_usage_stats": continuous}
     body = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], stream=True,
-                                 stream_options=stream_options)
-    job = Chat(CTX, body, "chatcmpl-x", 4)
+                                 stream_options=stream_options, return_token_ids=return_token_ids)
+    job = Chat(CTX, body, "chatcmpl-x", [1, 2, 3, 4])
     outs = steps(texts, "stop", None)
     pieces = run_stream(job.stream, [{0: request_output("a", [c])} for c in outs])
 
     head = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": job.created, "model": "m"}
 
-    def event(choice, k):
+    def event(choice, k, **fields):
         use = {"usage": {"prompt_tokens": 4, "completion_tokens": k, "total_tokens": 4 + k}} if continuous else {}
-        return dumps({**head, "choices": [choice], **use})
+        return dumps({**head, "choices": [choice], **use, **fields})
+    # as vLLM's: the prompt's ids on the role's chunk
+    ids = {"prompt_token_ids": [1, 2, 3, 4]} if return_token_ids else {}
     want = [event({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                   "finish_reason": None}, 0)]
+                   "finish_reason": None}, 0, **ids)]
     for k, c in enumerate(outs, 1):
         delta = {"content": texts[k - 1]} if texts[k - 1] or not c.finished else {}
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": c.finish_reason}
         if c.finished:
             choice["stop_reason"] = c.stop_reason
+        if return_token_ids:
+            choice["token_ids"] = c.token_ids[k - 1:k]
         want.append(event(choice, k))
     want[:2] = [want[0] + want[1]]            # the role chunk goes with the first token's
     want[-1] += dumps({**head, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": len(texts),

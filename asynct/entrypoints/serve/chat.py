@@ -8,8 +8,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from asynct.entrypoints.serve.chat_protocol import ChatCompletionRequest, ChatTemplateFields
-from asynct.entrypoints.serve.responses import (ChunkFrame, EventStream, TextStream, collect, encode, encode_str,
-                                                event_stream, finite, prompt_logprobs_json, request_id, usage)
+from asynct.entrypoints.serve.responses import (ChunkFrame, EventStream, TextStream, collect, encode, encode_ints,
+                                                encode_str, event_stream, finite, prompt_logprobs_json, request_id,
+                                                usage)
 from asynct.entrypoints.serve.serving import ApiError, ServingContext
 
 
@@ -65,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)
     await ctx.check_bad_words(params, body)
     ids = ctx.check_prompt(ids, params, body)
-    chat = Chat(ctx, body, request_id("chatcmpl"), len(ids))
+    chat = Chat(ctx, body, request_id("chatcmpl"), ids)
     handle = ctx.submit([ids], params, stream=body.stream)
     if body.stream:
         return EventStream(chat.stream(handle), handle)
@@ -73,9 +74,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 
 class Chat:
-    def __init__(self, ctx, body: ChatCompletionRequest, rid: str, num_prompt_tokens: int):
+    def __init__(self, ctx, body: ChatCompletionRequest, rid: str, prompt_ids: list[int]):
         self.ctx, self.body, self.id = ctx, body, rid
-        self.num_prompt_tokens = num_prompt_tokens
+        self.prompt_ids, self.num_prompt_tokens = prompt_ids, len(prompt_ids)
         self.echo = body.echoed()
         self.created = int(time.time())
         self.frame = ChunkFrame(self._head("chat.completion.chunk", []))
@@ -90,6 +91,10 @@ class Chat:
                     "stop_reason": c.stop_reason} for c in out.outputs]
         n = sum(len(c.token_ids) for c in out.outputs)
         response = {**self._head("chat.completion", choices), "usage": usage(self.num_prompt_tokens, n)}
+        if self.body.return_token_ids:     # as vLLM: the prompt's on the response, each choice's own
+            response["prompt_token_ids"] = self.prompt_ids
+            for choice, c in zip(choices, out.outputs):
+                choice["token_ids"] = c.token_ids
         if self.body.prompt_logprobs is not None:     # as vLLM, on the response: one prompt for all choices
             response["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.body.prompt_logprobs)
         return response
@@ -117,7 +122,9 @@ class Chat:
             streams[c.index] = TextStream()
             first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}
-            head = self._sse_chunk(encode(first), c.index, generated)
+            # as vLLM's return_token_ids: the prompt's ids with each choice's role
+            ids = {"prompt_token_ids": self.prompt_ids} if self.body.return_token_ids else {}
+            head = self._sse_chunk(encode(first), c.index, generated, **ids)
             if self.echo:
                 head += self._sse_chunk(encode({**first, "delta": {"content": self.echo}}), c.index, generated)
         else:
@@ -128,25 +135,28 @@ class Chat:
         text, start, end = d
         generated[c.index] = end
         if not self.body.logprobs:     # nearly every chunk
-            return head + self._sse_chunk(self._plain_choice(c, text), c.index, generated)
+            return head + self._sse_chunk(self._plain_choice(c, text, start, end), c.index, generated)
         choice = {"index": c.index, "delta": {"content": text} if text or not c.finished else {},
                   "logprobs": self._logprobs(c, start, end), "finish_reason": c.finish_reason}
         if c.finished:
             choice["stop_reason"] = c.stop_reason
+        if self.body.return_token_ids:
+            choice["token_ids"] = c.token_ids[start:end]
         return head + self._sse_chunk(encode(choice), c.index, generated)
 
-    def _plain_choice(self, c, text) -> str:
+    def _plain_choice(self, c, text, start, end) -> str:
         """The JSON of _chunk's choice where it has no logprobs, written from a template: the
         same text as encoding the dict, in a tenth of the time."""
         delta = f'{{"content": {encode_str(text)}}}' if text or not c.finished else "{}"
         stop = f', "stop_reason": {encode(c.stop_reason)}' if c.finished else ""
+        ids = f', "token_ids": {encode_ints(c.token_ids[start:end])}' if self.body.return_token_ids else ""
         return (f'{{"index": {c.index}, "delta": {delta}, "logprobs": null, '
-                f'"finish_reason": {encode(c.finish_reason) if c.finished else "null"}{stop}}}')
+                f'"finish_reason": {encode(c.finish_reason) if c.finished else "null"}{stop}{ids}}}')
 
-    def _sse_chunk(self, choice: str, index: int, generated) -> str:
+    def _sse_chunk(self, choice: str, index: int, generated, **fields) -> str:
         # as vLLM's continuous usage: the prompt's tokens and this choice's so far
         use = usage(self.num_prompt_tokens, generated.get(index, 0)) if self.body.continuous_usage else None
-        return self.frame.sse(choice, use)
+        return self.frame.sse(choice, use, **fields)
 
 
 def chat_token(tid, entry, k) -> dict:

@@ -54,7 +54,7 @@ class Completion:
                 n = 0 if self.drop_generated else len(c.token_ids)
                 text = "" if self.drop_generated else c.text
                 plp = (out.prompt_logprobs or [None]) if self.body.echo else None
-                choice = self._choice(i, c, text, 0, n, plp)
+                choice = self._choice(i, c, text, 0, n, plp, prompt_ids=True)
                 choice["finish_reason"], choice["stop_reason"] = c.finish_reason, c.stop_reason
                 if self.body.prompt_logprobs is not None:     # as vLLM, on each choice
                     choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs, self.body.prompt_logprobs)
@@ -62,11 +62,12 @@ class Completion:
                 generated += n
         return {**self._head(choices), "usage": usage(sum(map(len, self.ids)), generated)}
 
-    def _choice(self, i, c, text, start, end, plp, offset=None) -> dict:
+    def _choice(self, i, c, text, start, end, plp, offset=None, prompt_ids=False) -> dict:
         """One choice with generated tokens [start, end). `plp` (the prompt's logprobs) is given
         only to the response or first chunk of an echo request: the prompt goes in front.
         `offset`: the text_offset of its first row where an earlier chunk ended (a chunk's text
-        lags its tokens while stop strings are held back, so it cannot tell)."""
+        lags its tokens while stop strings are held back, so it cannot tell). `prompt_ids`: the
+        response or the choice's first chunk, which carry vLLM's prompt_token_ids."""
         echo = self.body.echo and plp is not None
         choice = {"index": i * self.body.n + c.index, "text": (self.texts[i] if echo else "") + text,
                   "logprobs": None, "finish_reason": None}
@@ -79,6 +80,8 @@ class Completion:
                 offset = 0 if echo else len(self.texts[i])
             choice["logprobs"] = logprobs_block(rows, offset)
         if self.body.return_token_ids:
+            if prompt_ids:
+                choice["prompt_token_ids"] = self.ids[i]
             choice["token_ids"] = c.token_ids[start:end]
         return choice
 
@@ -116,8 +119,8 @@ class Completion:
         use = usage(len(self.ids[i]), end) if self.body.continuous_usage else None
         plp = (out.prompt_logprobs or [None]) if self.body.echo and first else None
         if plp is None and self.body.logprobs is None:      # nearly every chunk
-            return self.frame.sse(self._plain_choice(i, c, text, start, end), use)
-        choice = self._choice(i, c, text, start, end, plp, self.next_offsets.get(key))
+            return self.frame.sse(self._plain_choice(i, c, text, start, end, first), use)
+        choice = self._choice(i, c, text, start, end, plp, self.next_offsets.get(key), first)
         lp = choice["logprobs"]
         if lp and lp["tokens"]:
             self.next_offsets[key] = lp["text_offset"][-1] + len(lp["tokens"][-1] or "")
@@ -126,10 +129,13 @@ class Completion:
             choice["stop_reason"] = c.stop_reason
         return self.frame.sse(encode(choice), use)
 
-    def _plain_choice(self, i, c, text, start, end) -> str:
+    def _plain_choice(self, i, c, text, start, end, first) -> str:
         """The JSON of _chunk's choice where it has no logprobs and no echoed prompt, written
         from a template: the same text as encoding the dict, in a tenth of the time."""
-        ids = f', "token_ids": {encode_ints(c.token_ids[start:end])}' if self.body.return_token_ids else ""
+        ids = ""
+        if self.body.return_token_ids:
+            prompt = f', "prompt_token_ids": {encode_ints(self.ids[i])}' if first else ""
+            ids = f'{prompt}, "token_ids": {encode_ints(c.token_ids[start:end])}'
         stop = f', "stop_reason": {encode(c.stop_reason)}' if c.finished else ""
         return (f'{{"index": {i * self.body.n + c.index}, "text": {encode_str(text)}, "logprobs": null, '
                 f'"finish_reason": {encode(c.finish_reason) if c.finished else "null"}{ids}{stop}}}')

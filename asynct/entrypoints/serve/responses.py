@@ -103,17 +103,19 @@ def encode_ints(ids) -> str:
 class ChunkFrame:
     """A stream's chunks share their id, object, created and model: that part is encoded once.
     `sse(choices)` is what sse() gives for the chunk `head` with those choices (JSON text) and,
-    where given, its usage, byte for byte: a streamed token costs no whole-chunk encoding."""
+    where given, its usage and further `fields`, byte for byte: a streamed token costs no
+    whole-chunk encoding."""
 
     def __init__(self, head: dict):
         text = encode(head)
         assert text.endswith('"choices": []}'), "choices must be head's last key, empty"
         self.prefix = "data: " + text[:-2]
 
-    def sse(self, choices: str, usage: dict | None = None) -> str:
-        if usage is None:
-            return f"{self.prefix}{choices}]}}\n\n"
-        return f'{self.prefix}{choices}], "usage": {encode(usage)}}}\n\n'
+    def sse(self, choices: str, usage: dict | None = None, **fields) -> str:
+        if usage is not None:
+            fields = {"usage": usage, **fields}
+        more = "".join(f", {encode(k)}: {encode(v)}" for k, v in fields.items())
+        return f"{self.prefix}{choices}]{more}}}\n\n"
 
 
 async def event_stream(handle: RequestHandle, events, closing):
