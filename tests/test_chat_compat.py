@@ -62,6 +62,18 @@ def test_text_parts_are_joined_a_part_a_line(llm, url):
     assert err["param"] == "messages" and "only text content parts" in err["message"]
 
 
+def test_refusal_and_responses_text_parts_are_text(llm, url):
+    """As vLLM: an assistant's refusal part (the openai client's typed assistant content) and the
+    Responses API's input_text / output_text parts are text; each was a 400."""
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "Yes"}, {"type": "refusal", "refusal": "No"}]}]
+    joined = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yes\nNo"}]
+    assert llm.chat(parts, ONE, use_tqdm=False)[0].prompt == llm.chat(joined, ONE, use_tqdm=False)[0].prompt
+    assert prompt_ids(url, parts) == prompt_ids(url, joined)
+    r = post(url, "/v1/chat/completions", {"messages": parts, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(prompt_ids(url, joined))
+
+
 def call(arguments) -> dict:
     return {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": arguments}}
 

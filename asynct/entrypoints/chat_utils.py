@@ -80,16 +80,28 @@ def _check_message(message):
                          f"{type(message['content']).__name__}")
 
 
+# the content parts vLLM reads as text, and the key that holds it: OpenAI's text, an assistant's
+# refusal (the openai client's typed assistant content), the Responses API's input and output text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _parts_as_text(message: dict) -> dict:
     """OpenAI's content parts [{"type": "text", "text": ...}, ...] become one string, a part a
     line, as vLLM joins them for a template that takes content as a string."""
     content = message.get("content")
     if isinstance(content, list):
-        if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-               for p in content):
-            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": \"...\"}) are supported")
-        return {**message, "content": "\n".join(p["text"] for p in content)}
+        texts = [_part_text(p) for p in content]
+        if any(t is None for t in texts):
+            raise ValueError("only text content parts ({\"type\": \"text\", \"text\": \"...\"}, or an "
+                             "assistant's refusal) are supported")
+        return {**message, "content": "\n".join(texts)}
     return message
+
+
+def _part_text(part) -> str | None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    text = part.get(TEXT_PARTS[kind]) if isinstance(kind, str) and kind in TEXT_PARTS else None
+    return text if isinstance(text, str) else None
 
 
 def _tool_arguments_as_dicts(message: dict) -> dict:

@@ -13,6 +13,7 @@ class TextPart(BaseModel):
     model_config = STRICT
     type: str
     text: str | None = None
+    refusal: str | None = None      # an assistant's {"type": "refusal", "refusal": ...}
 
 
 class ChatMessage(BaseModel):
