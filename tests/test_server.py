@@ -300,6 +300,13 @@ def test_tokenizer_routes(url, llm):
     assert check_remote_tokenizer_support(url + "/v1/completions", auth_token=KEY)
 
 
+def test_tokenize_returns_token_strs_as_vllm(url, llm):
+    """vLLM's return_token_strs: each token as the vocabulary spells it; the flag was ignored."""
+    r = post(url, {"prompt": "hi", "return_token_strs": True}, "/tokenize").json()
+    assert r["token_strs"] == llm.get_tokenizer().convert_ids_to_tokens(r["tokens"]) == ["h", "i"]
+    assert "token_strs" not in post(url, {"prompt": "hi"}, "/tokenize").json()
+
+
 def test_models_health_metrics(url):
     models = httpx.get(url + "/v1/models", headers=AUTH).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048

@@ -95,7 +95,10 @@ def add_routes(app: FastAPI, ctx: ServingContext):
             ids = await ctx.off_loop(ctx.encode, body.prompt, body.special_tokens)
         else:
             raise ApiError(400, "give prompt or messages")
-        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
+        if body.return_token_strs:       # vLLM's: each token as the vocabulary spells it
+            out["token_strs"] = ctx.tokenizer.convert_ids_to_tokens(ids)
+        return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

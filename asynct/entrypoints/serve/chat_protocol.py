@@ -113,6 +113,7 @@ class TokenizeRequest(ChatTemplateFields):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)    # as the chat route's
     add_special_tokens: bool | None = None       # unset: as the route that takes them (special_tokens)
+    return_token_strs: bool = False
 
     @property
     def special_tokens(self) -> bool:
