@@ -148,3 +148,25 @@ def test_an_engine_error_ends_the_stream_with_its_event_and_done():
     assert len(pieces) == 2 and json.loads(pieces[0][6:])["choices"][0]["text"] == " a"
     assert pieces[1] == dumps({"error": {"message": "boom", "type": "server_error", "param": None, "code": 500}}) + \
         "data: [DONE]\n\n"
+
+
+def test_a_bug_while_streaming_ends_the_stream_with_an_error_event_and_done(monkeypatch):
+    """An exception of ours mid-stream (here: the second chunk cannot be written) cut the
+    connection after the 200, so the client saw a dropped connection; as vLLM, it gets an error
+    event and [DONE]."""
+    body = CompletionRequest(model="m", prompt=[1, 2, 3], stream=True, max_tokens=4)
+    job = Completion(CTX, body, "cmpl-x", [""], [[1, 2, 3]])
+    first, second = steps([" a", " b"], "length", None)
+    calls, plain = [], job._plain_choice
+
+    def breaks_second(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyError("oops")
+        return plain(*args)
+    monkeypatch.setattr(job, "_plain_choice", breaks_second)
+    pieces = run_stream(job.stream, [{0: request_output("a", [first])}, {0: request_output("a", [second])}])
+    assert json.loads(pieces[0][6:])["choices"][0]["text"] == " a"
+    assert pieces[-1] == dumps({"error": {"message": "internal error while streaming: KeyError: 'oops'",
+                                          "type": "server_error", "param": None, "code": 500}}) + "data: [DONE]\n\n"
+

@@ -3,6 +3,7 @@ watching for the client to leave (`collect`), the SSE stream that aborts what it
 (`EventStream`, `TextStream`), and the pieces of OpenAI's and vLLM's bodies (ids, logprobs, usage)."""
 import asyncio
 import json
+import logging
 import uuid
 
 from fastapi import Request
@@ -10,6 +11,8 @@ from fastapi.responses import StreamingResponse
 
 from asynct.entrypoints.serve.async_engine import EngineError, RequestHandle
 from asynct.entrypoints.serve.serving import ApiError, error_body
+
+log = logging.getLogger("asynct.serve")
 
 
 def request_id(prefix: str) -> str:
@@ -133,6 +136,10 @@ async def event_stream(handle: RequestHandle, events, closing):
         tail += closing()
     except EngineError as e:
         tail += sse(error_body(e.status, str(e)))
+    except Exception as e:  # noqa: BLE001  (a bug of ours: the 200 is sent, so the client gets an
+        # error event, as vLLM sends, not a dropped connection; EventStream aborts the request)
+        log.exception("a streamed response failed")
+        tail = sse(error_body(500, f"internal error while streaming: {type(e).__name__}: {e}"))
     yield tail + SSE_DONE
 
 
