@@ -3,6 +3,7 @@
 import pytest
 
 from asynct import LLM, SamplingParams
+from asynct.engine.sampling_params import SamplingParamsError
 from asynct.entrypoints.chat_utils import load_chat_template
 
 PROMPTS = ["Hello world", "The quick brown fox", "1 + 1 ="]
@@ -256,6 +257,14 @@ def test_vllm_s_sampling_fields_are_taken():
     SamplingParams(bad_words=["x"], truncate_prompt_tokens=8)
 
 
+@pytest.mark.parametrize("field", ["detokenize", "spaces_between_special_tokens"])
+def test_vllm_s_decoding_flags_must_be_bools(field):
+    """detokenize="no" (a truthy string) decoded the text, where skip_special_tokens="no" is refused."""
+    with pytest.raises(SamplingParamsError, match=f"^invalid SamplingParams: {field} must be a bool, got 'no'") as e:
+        SamplingParams(**{field: "no"})
+    assert e.value.param == field
+
+
 def test_a_bad_max_tokens_is_the_one_complaint():
     """max_tokens=-5 also said "min_tokens=0 exceeds max_tokens=-5" (review)."""
     for kw, message in ((dict(max_tokens=-5), "max_tokens must be >= 1, got -5"),
@@ -292,7 +301,6 @@ def test_penalty_bias_and_allowed_token_bounds(field, value, words):
 
 
 def test_bias_and_allowed_tokens_must_be_in_the_vocabulary(llm):
-    from asynct.engine.sampling_params import SamplingParamsError
     p = SamplingParams(presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=0.01,
                        logit_bias={0: -100, 258: 1e6}, allowed_token_ids=(0, 258))
     p.check_model(259)

@@ -111,7 +111,9 @@ class SamplingParams:
                               ("truncate_prompt_tokens", self.truncate_prompt_tokens))],
             *[(not isinstance(v, bool), f"{name} must be a bool, got {v!r:.40}")
               for name, v in (("ignore_eos", self.ignore_eos), ("skip_special_tokens", self.skip_special_tokens),
-                              ("include_stop_str_in_output", self.include_stop_str_in_output))],
+                              ("include_stop_str_in_output", self.include_stop_str_in_output),
+                              ("detokenize", self.detokenize),
+                              ("spaces_between_special_tokens", self.spaces_between_special_tokens))],
             (not (self.stop is None or isinstance(self.stop, str) or _list_of(self.stop, str)),
              f"stop must be a string or a list of strings, got {self.stop!r:.40}"),
             (not (self.stop_token_ids is None or _list_of(self.stop_token_ids, int)),
