@@ -209,10 +209,6 @@ class SamplingParams:
             return 0
         return max(map(len, self.stop_list)) - 1
 
-    @property
-    def max_logprobs(self) -> int:
-        return max(self.logprobs or 0, self.prompt_logprobs or 0)
-
 
 # the fields as given (a tuple, taken in C: a request's recheck costs about a microsecond)
 _field_values = operator.itemgetter(*[f.name for f in fields(SamplingParams) if f.init])
