@@ -32,7 +32,11 @@ def test_a_model_given_twice_or_never_is_one_error(capsys):
     assert main(["serve", "A", "--model", "B"]) == 2
     assert "asynct serve: error: two models given: A and --model B" in capsys.readouterr().err
     assert main(["serve"]) == 2
-    assert "asynct serve: error: no model: give MODEL_DIR (or --model MODEL_DIR)" in capsys.readouterr().err
+    assert "asynct serve: error: no model: give MODEL_DIR (or --model MODEL_DIR)\n" in capsys.readouterr().err
+    # the form that ran while --served-model-name took one name: "no model" alone, with the path given
+    assert main(["serve", "--served-model-name", "m", "DIR"]) == 2
+    assert ("no model: give MODEL_DIR (or --model MODEL_DIR) (--served-model-name took m DIR as names: put "
+            "MODEL_DIR before it)") in capsys.readouterr().err
 
 
 def test_bad_values_fail_before_the_engine_starts(tiny_ckpt, tmp_path, capsys):

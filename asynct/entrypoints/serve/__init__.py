@@ -50,7 +50,11 @@ def model_dir(a) -> str:
     if a.model and a.model_flag and a.model != a.model_flag:
         raise ValueError(f"two models given: {a.model} and --model {a.model_flag}")
     if not (a.model or a.model_flag):
-        raise ValueError("no model: give MODEL_DIR (or --model MODEL_DIR)")
+        # `--served-model-name NAME MODEL_DIR` ran before it took several names; now it reads
+        # MODEL_DIR as a second name (as vLLM's does), and "no model" alone puzzled
+        names = " ".join(a.served_model_name or ())
+        eaten = f" (--served-model-name took {names} as names: put MODEL_DIR before it)" if names else ""
+        raise ValueError("no model: give MODEL_DIR (or --model MODEL_DIR)" + eaten)
     return a.model or a.model_flag
 
 
