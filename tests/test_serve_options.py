@@ -98,6 +98,8 @@ def test_chat_template_file_and_seed(tiny_ckpt, tmp_path):
         body = {"messages": msgs, "max_tokens": 4, "temperature": 0, "model": "alias"}
         r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert (r.status_code, r.json()["model"]) == (200, "tiny")
+        r = httpx.post(url + "/v1/chat/completions", json={**body, "model": "other"})   # named the first alone
+        assert r.json()["error"]["message"] == "the model 'other' does not exist; this server serves 'tiny' or 'alias'"
 
 
 

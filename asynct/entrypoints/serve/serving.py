@@ -153,7 +153,8 @@ class ServingContext:
     def check_model(self, model: str | None):
         if model is not None and model not in self.aliases:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.model_name!r}", code="model_not_found", param="model")
+                                f"{' or '.join(map(repr, self.model_names))}", code="model_not_found",
+                           param="model")
 
     def need_tokenizer(self, what: str):
         if self.tokenizer is None:
