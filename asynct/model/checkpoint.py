@@ -53,11 +53,9 @@ def is_floating(safetensors_dtype: str) -> bool:
     return safetensors_dtype.startswith(("F", "BF"))
 
 
-def tensor_shapes(path, problems: list | None = None) -> dict[str, tuple]:
-    """Name -> shape of every tensor, read from the safetensors headers only. With `problems`,
-    what the headers alone show wrong goes into it: a tensor that is not floating point (an
-    int8-quantised weight was cast to float and loaded silently, and the model wrote garbage),
-    and a tensor in two shards (the last file in name order won, silently)."""
+def tensor_shapes(path, problems: list) -> dict[str, tuple]:
+    """Name -> shape of every tensor, read from the safetensors headers only; what the headers
+    alone show wrong goes into `problems` (_header_problems)."""
     shapes, file_of = {}, {}
     for f in safetensors_files(path):
         if not f.exists():
@@ -70,13 +68,20 @@ def tensor_shapes(path, problems: list | None = None) -> dict[str, tuple]:
             for name in sf.keys():
                 header = sf.get_slice(name)
                 shapes[name] = tuple(header.get_shape())
-                if problems is not None and name in file_of:
-                    problems.append(f"tensor {name} is stored twice, in {file_of[name]} and {f.name}")
+                problems += _header_problems(name, header.get_dtype(), file_of.get(name), f.name)
                 file_of[name] = f.name
-                if problems is not None and not is_floating(header.get_dtype()):
-                    problems.append(f"tensor {name} has dtype {header.get_dtype()}; AsyncT weights are "
-                                    "floating point (quantised checkpoints are not supported)")
     return shapes
+
+
+def _header_problems(name: str, dtype: str, earlier_file: str | None, file: str) -> list[str]:
+    """A tensor that is not floating point (an int8-quantised weight was cast to float and
+    loaded silently, and the model wrote garbage), and one in two shards (the last file in name
+    order won, silently)."""
+    problems = [f"tensor {name} is stored twice, in {earlier_file} and {file}"] if earlier_file else []
+    if not is_floating(dtype):
+        problems.append(f"tensor {name} has dtype {dtype}; AsyncT weights are floating point (quantised "
+                        "checkpoints are not supported)")
+    return problems
 
 
 def dyht_modules(config: AsyncTConfig) -> dict[str, int]:
