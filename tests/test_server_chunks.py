@@ -170,3 +170,20 @@ def test_a_bug_while_streaming_ends_the_stream_with_an_error_event_and_done(monk
     assert pieces[-1] == dumps({"error": {"message": "internal error while streaming: KeyError: 'oops'",
                                           "type": "server_error", "param": None, "code": 500}}) + "data: [DONE]\n\n"
 
+
+def test_a_bug_in_the_closing_events_keeps_the_last_updates_chunks(monkeypatch):
+    """The last update's chunks wait to go out with the closing ones (usage); a bug while those
+    were written replaced them with the error event, so the client never got the final text."""
+    from asynct.entrypoints.serve import completions
+    body = CompletionRequest(model="m", prompt=[1, 2, 3], stream=True, max_tokens=2,
+                             stream_options={"include_usage": True})
+    job = Completion(CTX, body, "cmpl-x", [""], [[1, 2, 3]])
+    first, last = steps([" a", " b"], "length", None)
+    monkeypatch.setattr(completions, "usage", lambda *a: 1 / 0)
+    pieces = run_stream(job.stream, [{0: request_output("a", [first])}, {0: request_output("a", [last])}])
+    events = [e for e in pieces[-1].split("\n\n") if e]
+    assert json.loads(events[0][6:])["choices"][0] == {"index": 0, "text": " b", "logprobs": None,
+                                                       "finish_reason": "length", "stop_reason": None}
+    assert json.loads(events[1][6:])["error"]["message"] == \
+        "internal error while streaming: ZeroDivisionError: division by zero"
+    assert events[2:] == ["data: [DONE]"]

@@ -139,7 +139,7 @@ async def event_stream(handle: RequestHandle, events, closing):
     except Exception as e:  # noqa: BLE001  (a bug of ours: the 200 is sent, so the client gets an
         # error event, as vLLM sends, not a dropped connection; EventStream aborts the request)
         log.exception("a streamed response failed")
-        tail = sse(error_body(500, f"internal error while streaming: {type(e).__name__}: {e}"))
+        tail += sse(error_body(500, f"internal error while streaming: {type(e).__name__}: {e}"))
     yield tail + SSE_DONE
 
 
