@@ -120,11 +120,16 @@ def test_generate_takes_the_generation_configs_defaults_for_unset_flags(tiny_ckp
 
 
 
-@pytest.mark.parametrize("alias", ["half", "float"])
-def test_vllms_dtype_aliases(tiny_ckpt, capsys, alias):
+@pytest.mark.parametrize("alias,dtype", [("half", "float16"), ("float", "float32")])
+def test_vllms_dtype_aliases(tiny_ckpt, capsys, monkeypatch, alias, dtype):
     """`--dtype half` (or float), as vLLM's command lines write it, was an invalid choice, while
-    LLM(dtype="half") ran."""
+    LLM(dtype="half") ran. The engine runs in the dtype it names."""
+    import asynct
+    import torch
+    made, real = [], asynct.LLM
+    monkeypatch.setattr(asynct, "LLM", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
     assert main(["generate", str(tiny_ckpt), "--prompt-token-ids", "1,2", "--max-tokens", "2", "--dtype", alias]) == 0
+    assert made[0].llm_engine.dtype == getattr(torch, dtype)
 
 
 def test_tokenizer_flag(tiny_ckpt, tmp_path, capsys):
