@@ -36,6 +36,7 @@ from profile_decode import fill_decodes, mean_step
 from asynct import LLM
 from asynct.attention import triton_backend
 from asynct.engine import cuda_graph
+from asynct.entrypoints.bench import decode_step_bytes
 from asynct.model import engine_model
 from asynct.model.checkpoint import make_checkpoint
 from asynct.ops import _triton, fused_linear as fl, fused_linear_checks
@@ -212,9 +213,8 @@ def timed_decode(eng, batch, steps) -> tuple[float, float]:
 
 
 def step_roofline(weights, kv_per_token, keys, batch, copy_bw) -> float:
-    """Seconds of a decode step at the copy bandwidth (TB/s): the weights, the `keys` its
-    attention reads, and the key and value it writes a row."""
-    return (weights + (keys + batch) * kv_per_token) / (copy_bw * 1e12)
+    """Seconds of a decode step at the copy bandwidth (TB/s), as `asynct bench` roofs one."""
+    return decode_step_bytes(weights, kv_per_token, keys, batch) / (copy_bw * 1e12)
 
 
 def engine_steps(model, mode, batches, context):

@@ -143,11 +143,16 @@ def decode_roofline(result, llm, bandwidth, batch=None, requests=None) -> dict:
                                                              eng.args.enable_prefix_caching)
     wb = weight_bytes(eng.runner.model)
     mean = sum(r.wall_s for r in steps) / len(steps)
-    kv = [r.kv_tokens - (r.num_seqs - 1) * shared for r in steps]
-    # each row's new key and value are written to the cache, then read with the rest
-    roof = sum(wb + (k + r.num_seqs) * kv_per_token for k, r in zip(kv, steps)) / len(steps) / bandwidth
+    roof = sum(decode_step_bytes(wb, kv_per_token, r.kv_tokens - (r.num_seqs - 1) * shared, r.num_seqs)
+               for r in steps) / len(steps) / bandwidth
     return {"decode_steps": len(steps), "decode_batch": batch or round(sum(r.num_seqs for r in steps) / len(steps)),
             "step_ms": mean * 1e3, "roofline_ms": roof * 1e3, "step_over_roofline": mean / roof}
+
+
+def decode_step_bytes(weights: int, kv_per_token: int, keys: int, rows: int) -> int:
+    """The least a decode step moves: the weights, the `keys` its attention reads, and each
+    row's new key and value, written to the cache before they are read with the rest."""
+    return weights + (keys + rows) * kv_per_token
 
 
 def prefill_flops(model, config, prompt_lens, cached=None) -> float:
