@@ -28,15 +28,17 @@ def test_flags_parse():
     assert (model_dir(a), a.enable_prefix_caching) == ("DIR", True)
 
 
-def test_a_model_given_twice_or_never_is_one_error(capsys):
+def test_a_model_given_twice_or_never_is_one_error(capsys, tiny_ckpt):
     assert main(["serve", "A", "--model", "B"]) == 2
     assert "asynct serve: error: two models given: A and --model B" in capsys.readouterr().err
     assert main(["serve"]) == 2
     assert "asynct serve: error: no model: give MODEL_DIR (or --model MODEL_DIR)\n" in capsys.readouterr().err
-    # the form that ran while --served-model-name took one name: "no model" alone, with the path given
-    assert main(["serve", "--served-model-name", "m", "DIR"]) == 2
-    assert ("no model: give MODEL_DIR (or --model MODEL_DIR) (--served-model-name took m DIR as names: put "
-            "MODEL_DIR before it)") in capsys.readouterr().err
+    assert main(["serve", "--served-model-name", "m", "DIR"]) == 2      # DIR is no checkpoint: a name
+    assert "no model: give MODEL_DIR (or --model MODEL_DIR) (--served-model-name took m DIR as names)" in \
+        capsys.readouterr().err
+    # the form that ran while --served-model-name took one name: a checkpoint after it is the model
+    a = build_parser().parse_args(["serve", "--served-model-name", "m", str(tiny_ckpt)])
+    assert (model_dir(a), a.served_model_name) == (str(tiny_ckpt), ["m"])
 
 
 def test_bad_values_fail_before_the_engine_starts(tiny_ckpt, tmp_path, capsys):

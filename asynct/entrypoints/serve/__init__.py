@@ -1,6 +1,7 @@
 """`asynct serve MODEL_DIR`: an OpenAI-compatible HTTP server (FastAPI + uvicorn). Only argparse
 lives here, so `asynct --help` works without the serving extras installed."""
 import os
+from pathlib import Path
 
 from asynct.entrypoints.serve.limits import ServerLimits
 
@@ -49,11 +50,13 @@ def model_dir(a) -> str:
     """MODEL_DIR, given once: as the positional or as --model."""
     if a.model and a.model_flag and a.model != a.model_flag:
         raise ValueError(f"two models given: {a.model} and --model {a.model_flag}")
+    names = a.served_model_name or []
+    if not (a.model or a.model_flag) and len(names) > 1 and Path(names[-1], "config.json").exists():
+        # `--served-model-name NAME MODEL_DIR` ran while the flag took one name; taking several
+        # (vLLM's), it reads the path as a name: a checkpoint is no name
+        a.model = names.pop()
     if not (a.model or a.model_flag):
-        # `--served-model-name NAME MODEL_DIR` ran before it took several names; now it reads
-        # MODEL_DIR as a second name (as vLLM's does), and "no model" alone puzzled
-        names = " ".join(a.served_model_name or ())
-        eaten = f" (--served-model-name took {names} as names: put MODEL_DIR before it)" if names else ""
+        eaten = f" (--served-model-name took {' '.join(names)} as names)" if names else ""
         raise ValueError("no model: give MODEL_DIR (or --model MODEL_DIR)" + eaten)
     return a.model or a.model_flag
 
