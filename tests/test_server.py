@@ -178,10 +178,11 @@ def test_chat(client, llm):
 def test_null_n_stream_echo_logprobs_take_their_defaults(client):
     """OpenAI's API and vLLM's server take null for these: the client sends `n=None` as null, and
     code that passes its own None through got a 400 here."""
-    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=None, stream=None, echo=None)
+    r = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, n=None, stream=None, echo=None,
+                                  extra_body={"return_token_ids": None})
     assert len(r.choices) == 1 and not r.choices[0].text.startswith("Hi")
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
-                                       n=None, stream=None, logprobs=None)
+                                       n=None, stream=None, logprobs=None, extra_body={"return_token_ids": None})
     assert len(r.choices) == 1 and r.choices[0].logprobs is None
 
 

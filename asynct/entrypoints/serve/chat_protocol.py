@@ -63,7 +63,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     echo: bool = False        # vLLM's: the answer starts with the last message, where it continues it
     add_special_tokens: bool = False      # vLLM's: the template writes BOS itself
-    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "logprobs")
+    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "logprobs", "return_token_ids")
 
     def api_param(self, field: str) -> str:
         if field == "max_tokens" and self.max_completion_tokens is not None:

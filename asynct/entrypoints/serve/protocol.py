@@ -102,7 +102,7 @@ class SamplingFields(Body):
     RENAMED: ClassVar[dict] = {}
     # fields OpenAI's API (and vLLM's server) take as null, meaning their default: the client sends
     # a caller's `n=None` as null
-    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream")
+    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "return_token_ids")
 
     @model_validator(mode="before")
     @classmethod
@@ -192,7 +192,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     add_special_tokens: bool = True       # vLLM's: a text prompt gets the tokenizer's BOS
     RENAMED: ClassVar[dict] = {"prompt_logprobs": "logprobs"}      # echo's prompt logprobs: `logprobs` asks for them
-    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "echo")
+    NULL_IS_DEFAULT: ClassVar[tuple] = ("n", "stream", "echo", "return_token_ids")
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
