@@ -2,6 +2,8 @@
 penalties, logit_bias and allowed_token_ids against a per-row reference."""
 import math
 
+import pytest
+
 import torch
 
 from asynct.engine.sampler import sample
@@ -273,3 +275,26 @@ def test_penalty_rows_grow_to_the_engines_batch_not_past_it():
     assert torch.equal(adjust_logits(awkward_logits(rows), make_seqs(rows), None, counts), want)
     assert len(counts.owner) == counts.counts.shape[0] == 13
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_adjustments_never_wait_for_the_device():
+    """Every adjustment and the min_tokens ban are queued without a host sync: `x[idx] = v`
+    (index_put_) synchronised twice a step of allowed_token_ids rows, so the next step could not
+    be prepared while this one ran (lm-eval's forced tokens: rolling loglikelihood 1.05x slower).
+    The same logits as on the CPU."""
+    from asynct.engine.penalties import adjust_logits
+    from asynct.engine.sampler import suppress_stops
+    # one row without adjustments (the partial path), one whose stop and EOS ids are banned
+    rows = [*ROWS, (ROWS[0][0], [], {}), ([40], [41], dict(min_tokens=3, stop_token_ids=[5, 7]))]
+    logits, dev = awkward_logits(rows), torch.device("cuda")
+    want = suppress_stops(adjust_logits(logits, make_seqs(rows)), make_seqs(rows), [2])
+    seqs = make_seqs(rows)
+    got = logits.to(dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = suppress_stops(adjust_logits(got, seqs), seqs, [2])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got.cpu(), want)

@@ -62,9 +62,10 @@ def suppress_stops(logits, seqs, eos_token_ids=()):
             cols += banned
     if not rows:
         return logits
-    logits = logits.clone()
-    logits[host_to_device(rows, torch.long, logits.device), host_to_device(cols, torch.long, logits.device)] = float("-inf")
-    return logits
+    # a contiguous copy: flat indices, since index_put_ (logits[rows, cols] = ...) waits for the device
+    logits = logits.clone(memory_format=torch.contiguous_format)
+    flat = [r * logits.shape[1] + c for r, c in zip(rows, cols)]
+    return logits.view(-1).index_fill_(0, host_to_device(flat, torch.long, logits.device), float("-inf")).view_as(logits)
 
 
 def takes_raw_argmax(seqs: list[Sequence]) -> bool:
