@@ -358,6 +358,11 @@ def test_eval_cli_model_path_that_is_not_there(capsys, tmp_path):
     assert capsys.readouterr().err == (f"asynct eval: error: --model {tmp_path / 'nope'}: no such checkpoint "
                                        "directory, and no lm-eval model of that name (asynct loads local "
                                        "checkpoints only)\n")
+    (tmp_path / "model.safetensors").write_bytes(b"")      # a checkpoint's file, not its folder
+    with pytest.raises(SystemExit):
+        eval_cli("--model", tmp_path / "model.safetensors", "--tasks", "tiny_gsm", "--limit", 1)
+    assert capsys.readouterr().err == (f"asynct eval: error: --model {tmp_path / 'model.safetensors'}: a file, not "
+                                       "a checkpoint directory\n")
 
 
 def test_eval_cli_shipped_tasks_warn_nothing(caplog):

@@ -102,8 +102,9 @@ def _model_defaults(args):
         model_args, args.model = {"pretrained": args.model, **model_args}, "asynct"
     elif args.model and args.model not in MODEL_REGISTRY and "/" in args.model:
         # a mistyped checkpoint path got lm-eval's "no model for this name found!" and its ~40 model names
-        raise SystemExit(_fail(f"--model {args.model}: no such checkpoint directory, and no lm-eval model of "
-                               "that name (asynct loads local checkpoints only)"))
+        what = "a file, not a checkpoint directory" if Path(args.model).exists() else \
+            "no such checkpoint directory, and no lm-eval model of that name (asynct loads local checkpoints only)"
+        raise SystemExit(_fail(f"--model {args.model}: {what}"))
     args.model = args.model or "asynct"
     if args.model == "asynct":
         model_args.setdefault("pretrained", str(SHIPPED_MODEL))
