@@ -84,6 +84,17 @@ def _header_problems(name: str, dtype: str, earlier_file: str | None, file: str)
     return problems
 
 
+def checked_shapes(path, config: AsyncTConfig) -> dict[str, tuple]:
+    """tensor_shapes, after one CheckpointError listing every problem of the headers and of the
+    tensors against `config` (the engine's load and the vLLM plugin's)."""
+    problems = []
+    shapes = tensor_shapes(path, problems)
+    problems += check_tensors(config, shapes)
+    if problems:
+        raise CheckpointError(path, problems)
+    return shapes
+
+
 def dyht_modules(config: AsyncTConfig) -> dict[str, int]:
     """Prefix of every DyHT in the model -> its channel count."""
     mods = {"model.norm": config.hidden_size}
@@ -143,12 +154,7 @@ def prepare_config_for_load(path, config=None) -> AsyncTConfig:
         raise CheckpointError(path, ["a file, not a checkpoint directory"])
     if config is None:
         config = load_config(path)
-    problems = []
-    shapes = tensor_shapes(path, problems)
-    problems += check_tensors(config, shapes)
-    if problems:
-        raise CheckpointError(path, problems)
-    config.dyht_shapes = dyht_shapes(config, shapes)
+    config.dyht_shapes = dyht_shapes(config, checked_shapes(path, config))
     return config
 
 
