@@ -105,4 +105,6 @@ class PenaltyCounts:
             self.in_prompt = torch.zeros(self.counts.shape, dtype=torch.bool, device=self.counts.device)
         self.in_prompt[row].zero_()
         ids = host_to_device(sorted(set(seq.token_ids[:seq.num_prompt_tokens])), torch.long, self.counts.device)
-        self.in_prompt[row, ids] = True
+        # index_fill_, not `[row, ids] = True`: a Python value goes to the device by a copy that
+        # waits for the step in flight
+        self.in_prompt[row].index_fill_(0, ids, True)
