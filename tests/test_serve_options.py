@@ -6,7 +6,7 @@ import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.entrypoints.cli import build_parser, main
-from asynct.entrypoints.serve import model_dir
+from asynct.entrypoints.serve import cors_options, model_dir
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
@@ -103,6 +103,39 @@ def test_chat_template_file_and_seed(tiny_ckpt, tmp_path):
         r = httpx.post(url + "/v1/chat/completions", json={**body, "model": "other"})   # named the first alone
         assert r.json()["error"]["message"] == "the model 'other' does not exist; this server serves 'tiny' or 'alias'"
 
+
+
+def test_cors_flags_parse():
+    a = build_parser().parse_args(["serve", "DIR", "--allowed-origins", '["https://a.example", "http://b:3000"]',
+                                   "--allowed-methods", "POST", "--allow-credentials"])
+    assert cors_options(a) == dict(allow_origins=["https://a.example", "http://b:3000"], allow_methods=["POST"],
+                                   allow_headers=["*"], allow_credentials=True)
+    assert cors_options(build_parser().parse_args(["serve", "DIR"])) is None
+
+
+def test_cors_answers_a_browser_preflight_before_the_api_key(tiny_ckpt):
+    """vLLM's --allowed-origins: a page of an allowed origin calls the API from a browser (its
+    preflight carries no key), other origins get no CORS headers, and without the flag none do."""
+    app = make_app(tiny_ckpt, api_key="k", cors=dict(allow_origins=["http://ui.example"], allow_methods=["*"],
+                                                     allow_headers=["*"], allow_credentials=False),
+                   log_stats_interval=None)
+    preflight = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    with ServerThread(app) as url:
+        r = httpx.options(url + "/v1/completions", headers=preflight)
+        assert (r.status_code, r.headers["access-control-allow-origin"]) == (200, "http://ui.example")
+        body = {"prompt": "hi", "max_tokens": 2}
+        r = httpx.post(url + "/v1/completions", json=body, headers={"Origin": "http://ui.example"})
+        assert (r.status_code, r.headers["access-control-allow-origin"]) == (401, "http://ui.example")
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60,
+                       headers={"Origin": "http://ui.example", "Authorization": "Bearer k"})
+        assert (r.status_code, r.headers["access-control-allow-origin"]) == (200, "http://ui.example")
+        r = httpx.options(url + "/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
+        assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    app = make_app(tiny_ckpt, log_stats_interval=None)
+    with ServerThread(app) as url:
+        r = httpx.get(url + "/v1/models", headers={"Origin": "http://ui.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
 TOOLS_TEMPLATE = TEMPLATE + "{% for t in tools or [] %}<tool>{{ t.function.name }}{% endfor %}"

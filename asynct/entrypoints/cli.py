@@ -151,6 +151,17 @@ def json_object(s: str) -> dict:
     return value
 
 
+def json_list(s: str) -> list[str]:
+    """vLLM's JSON list of strings ('["*"]'), or one bare string (an origin, a method)."""
+    try:
+        value = json.loads(s) if s.lstrip().startswith("[") else [s]
+    except ValueError:
+        value = None
+    if not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+        raise argparse.ArgumentTypeError(f"{s!r} is not a JSON list of strings such as '[\"*\"]'")
+    return value
+
+
 def token_ids(s: str) -> list[int]:
     try:
         ids = [int(t) for t in s.replace(",", " ").split()]

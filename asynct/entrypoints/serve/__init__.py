@@ -34,6 +34,7 @@ def add_parser(sub):
                         "more get 429 (default: no limit)")
     p.add_argument("--max-request-bytes", type=int, default=16 << 20, help="larger bodies get 413 (default: 16 MiB)")
     add_limit_args(p)
+    add_cors_args(p)
     p.add_argument("--log-level", default="info", help="asynct's log level")
     p.add_argument("--uvicorn-log-level", default=None,
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -97,6 +98,29 @@ def add_limit_args(p):
                    help="stop strings one request may give; more get 400")
 
 
+def add_cors_args(p):
+    from asynct.entrypoints.cli import json_list
+    g = p.add_argument_group("CORS: web pages of other origins calling the API from a browser")
+    # opt-in, where vLLM allows every origin: any page a user of this machine opens could then
+    # read the server's answers (it listens on loopback by default, behind no key)
+    g.add_argument("--allowed-origins", type=json_list, default=None, metavar="JSON",
+                   help='origins whose pages may call the API, as vLLM\'s JSON list: \'["*"]\' for any '
+                        '(default: none, no CORS headers; vLLM\'s default is any)')
+    g.add_argument("--allowed-methods", type=json_list, default=["*"], metavar="JSON",
+                   help="HTTP methods those pages may use (default: any)")
+    g.add_argument("--allowed-headers", type=json_list, default=["*"], metavar="JSON",
+                   help="request headers those pages may send (default: any)")
+    g.add_argument("--allow-credentials", action="store_true", help="let those pages send cookies")
+
+
+def cors_options(a) -> dict | None:
+    """Starlette's CORSMiddleware options, or None where no origin is allowed."""
+    if a.allowed_origins is None:
+        return None
+    return dict(allow_origins=a.allowed_origins, allow_methods=a.allowed_methods,
+                allow_headers=a.allowed_headers, allow_credentials=a.allow_credentials)
+
+
 def server_limits(a):
     return ServerLimits(a.max_n, a.max_choices, a.max_prompt_chars, a.trust_request_chat_template, a.render_timeout,
                         a.header_timeout, a.keep_alive_timeout, a.max_connections, a.max_stop_strings)
@@ -119,7 +143,7 @@ def cmd_serve(a):
                        limits=server_limits(a), chat_template=a.chat_template,
                        log_stats_interval=None if a.disable_log_stats else 10.0, seed=a.seed,
                        tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=a.trust_remote_code,
-                       **engine_kwargs(a))
+                       cors=cors_options(a), **engine_kwargs(a))
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level or a.log_level,
                                 access_log=a.access_log, timeout_graceful_shutdown=5, **connection_options(app))
         server = Server(config)

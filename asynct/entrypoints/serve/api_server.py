@@ -10,6 +10,7 @@ from collections import Counter
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException
 
@@ -28,7 +29,8 @@ PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # /health,
 
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-              log_stats_interval: float | None = 10.0) -> FastAPI:
+              log_stats_interval: float | None = 10.0, cors: dict | None = None) -> FastAPI:
+    """`cors`: CORSMiddleware's options (None: no CORS headers)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         import asyncio
@@ -44,6 +46,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: i
     app = FastAPI(title="asynct", lifespan=lifespan)
     app.state.ctx, app.state.http_counts, app.state.limits = ctx, Counter(), ctx.limits
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, counts=app.state.http_counts)
+    if cors:    # added last, so outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, **cors)
     add_error_handlers(app)
     add_routes(app, ctx)
     return app
@@ -229,11 +233,11 @@ class Server(uvicorn.Server):
 def make_app(model: str, served_model_name: str | list[str] | None = None, api_key: str | None = None,
              max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
              limits: ServerLimits | None = None, log_stats_interval: float | None = 10.0,
-             chat_template: str | None = None, **engine_kwargs) -> FastAPI:
+             chat_template: str | None = None, cors: dict | None = None, **engine_kwargs) -> FastAPI:
     """Starts the engine process and waits for its model (the slow part), then builds the app.
     `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it).
     `log_stats_interval`: seconds between throughput log lines (None: none). `chat_template`: a
-    Jinja template or a file holding one, in place of the tokenizer's."""
+    Jinja template or a file holding one, in place of the tokenizer's. `cors`: build_app's."""
     import time
 
     from asynct.engine.engine_args import EngineArgs
@@ -256,4 +260,4 @@ def make_app(model: str, served_model_name: str | list[str] | None = None, api_k
     # but not the app's ~4,000 objects: FastAPI's cycles among them hold the engine, and frozen
     # they were never collected once the app was dropped, nor the engine, nor the heap unfrozen
     freeze_startup_heap(engine)
-    return build_app(ctx, api_key, max_body_bytes, log_stats_interval)
+    return build_app(ctx, api_key, max_body_bytes, log_stats_interval, cors)
