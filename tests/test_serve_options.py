@@ -6,7 +6,8 @@ import pytest
 
 from asynct import LLM, SamplingParams
 from asynct.entrypoints.cli import build_parser, main
-from asynct.entrypoints.serve import cors_options, model_dir
+from asynct.entrypoints.serve import cors_options, model_dir, server_limits
+from asynct.entrypoints.serve.limits import ServerLimits
 from asynct.entrypoints.serve.api_server import make_app
 from asynct.entrypoints.serve.launch import ServerThread
 
@@ -136,6 +137,27 @@ def test_cors_answers_a_browser_preflight_before_the_api_key(tiny_ckpt):
     with ServerThread(app) as url:
         r = httpx.get(url + "/v1/models", headers={"Origin": "http://ui.example"})
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_max_logprobs_is_the_servers_cap(tiny_ckpt):
+    """vLLM's --max-logprobs (its command lines failed to parse): logprobs, top_logprobs and
+    prompt_logprobs up to it, a 400 naming the field past it."""
+    assert build_parser().parse_args(["serve", "DIR"]).max_logprobs == 20
+    assert server_limits(build_parser().parse_args(["serve", "DIR", "--max-logprobs", "30"])).max_logprobs == 30
+    app = make_app(tiny_ckpt, limits=ServerLimits(max_logprobs=30), log_stats_interval=None)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True}
+    with ServerThread(app) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, "logprobs": 30}, timeout=60)
+        assert r.status_code == 200, r.text     # its top_logprobs are keyed by text: byte tokens collide
+        r = httpx.post(url + "/v1/chat/completions", json={**chat, "top_logprobs": 30}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+        for path, body, param in (("/v1/completions", {"prompt": "hi", "max_tokens": 1, "logprobs": 31}, "logprobs"),
+                                  ("/v1/completions", {"prompt": "hi", "max_tokens": 1, "prompt_logprobs": 31},
+                                   "prompt_logprobs"),
+                                  ("/v1/chat/completions", {**chat, "top_logprobs": 31}, "top_logprobs")):
+            r = httpx.post(url + path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "(--max-logprobs)" in r.json()["error"]["message"]
 
 
 TOOLS_TEMPLATE = TEMPLATE + "{% for t in tools or [] %}<tool>{{ t.function.name }}{% endfor %}"

@@ -96,6 +96,9 @@ def add_limit_args(p):
                    help="open connections; more are closed at once")
     g.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
                    help="stop strings one request may give; more get 400")
+    g.add_argument("--max-logprobs", type=int, default=d.max_logprobs,
+                   help="most logprobs / top_logprobs / prompt_logprobs a request may ask for, as vLLM's "
+                        "(-1: the vocabulary)")
 
 
 def add_cors_args(p):
@@ -123,7 +126,8 @@ def cors_options(a) -> dict | None:
 
 def server_limits(a):
     return ServerLimits(a.max_n, a.max_choices, a.max_prompt_chars, a.trust_request_chat_template, a.render_timeout,
-                        a.header_timeout, a.keep_alive_timeout, a.max_connections, a.max_stop_strings)
+                        a.header_timeout, a.keep_alive_timeout, a.max_connections, a.max_stop_strings,
+                        a.max_logprobs)
 
 
 def cmd_serve(a):

@@ -60,7 +60,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ctx.check_model(body.model)
     ctx.check_n(body.n)
     try:
-        params = body.to_params(ctx.sampling_defaults)
+        params = body.to_params(ctx.sampling_defaults, ctx.limits.max_logprobs)
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)

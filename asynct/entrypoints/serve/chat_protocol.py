@@ -4,7 +4,7 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from asynct.engine.sampling_params import SamplingParams
+from asynct.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from asynct.entrypoints.chat_utils import template_message
 from asynct.entrypoints.serve.protocol import STRICT, Body, SamplingFields, Unsupported, _or
 
@@ -74,12 +74,13 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     def requested_max_tokens(self) -> int | None:
         return _or(self.max_completion_tokens, self.max_tokens)
 
-    def to_params(self, defaults: dict | None = None) -> SamplingParams:
+    def to_params(self, defaults: dict | None = None, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         self._check_tool_choice()
         if self.top_logprobs and not self.logprobs:
             raise Unsupported("top_logprobs", "top_logprobs needs logprobs: true")
         k = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.requested_max_tokens, k, self.prompt_logprobs_k(), defaults)
+        return self.sampling_params(self.requested_max_tokens, k, self.prompt_logprobs_k(max_logprobs), defaults,
+                                    max_logprobs)
 
     def echoed(self) -> str:
         """What echo puts in front of the answer: as vLLM, the last message's content where the

@@ -18,7 +18,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     try:
         prompts = body.prompts()
         ctx.check_n(body.n, len(prompts))
-        params = body.to_params(ctx.sampling_defaults)
+        params = body.to_params(ctx.sampling_defaults, ctx.limits.max_logprobs)
     except ValueError as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     truncated = body.truncate_prompt_tokens is not None

@@ -15,3 +15,5 @@ class ServerLimits:
     keep_alive_timeout: int = 5               # seconds an idle connection stays open
     max_connections: int = 2048               # open connections; more are closed at once
     max_stop_strings: int = 16                # each one is searched for in every new token of every choice
+    max_logprobs: int = 20                    # vLLM's default; -1: the vocabulary
+

@@ -115,9 +115,11 @@ class SamplingFields(Body):
         return self.RENAMED.get(field, field)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None = None,
-                        prompt_logprobs: int | None = None, defaults: dict | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, defaults: dict | None = None,
+                        max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         """Raises ValueError (a 400) for values the engine rejects or cannot honour. `defaults`:
-        the generation config's values for the fields left unset (null), as vLLM's server."""
+        the generation config's values for the fields left unset (null), as vLLM's server.
+        `max_logprobs`: the server's --max-logprobs."""
         defaults = defaults or {}
         cap = defaults.get("max_tokens")
         if cap is not None and (max_tokens is None or max_tokens > cap):
@@ -136,9 +138,7 @@ class SamplingFields(Body):
             raise Unsupported("response_format", f"response_format {self.response_format.get('type')!r} is not "
                                                  'supported (no guided decoding; only {"type": "text"})')
         for field, k in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if k is not None and k > MAX_LOGPROBS:
-                name = self.api_param(field)
-                raise Unsupported(name, f"{name} must be at most {MAX_LOGPROBS}, got {k}")
+            check_logprobs(self.api_param(field), k, max_logprobs)
         # a field sent as null (or not at all) takes the generation config's value, else SamplingParams' default
         unset = {k: v for k, v in defaults.items() if k in NULLABLE}
         given = {k: getattr(self, k) for k in NULLABLE if getattr(self, k) is not None}
@@ -164,12 +164,13 @@ class SamplingFields(Body):
                                             f"got {bad!r:.40}")
         return {int(k): min(100.0, max(-100.0, b)) for k, b in self.logit_bias.items()}
 
-    def prompt_logprobs_k(self) -> int | None:
-        """The prompt_logprobs the response returns (None: no field), k <= 20 as logprobs. As
+    def prompt_logprobs_k(self, max_logprobs: int = MAX_LOGPROBS) -> int | None:
+        """The prompt_logprobs the response returns (None: no field), capped as logprobs. As
         vLLM's, a stream carries none, so asking for any there is a 400."""
         k = self.prompt_logprobs
-        if k is not None and not 0 <= k <= MAX_LOGPROBS:
-            raise Unsupported("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {k}")
+        if k is not None and k < -1:
+            raise Unsupported("prompt_logprobs", f"prompt_logprobs must be >= 0 (or -1: the vocabulary), got {k}")
+        check_logprobs("prompt_logprobs", k, max_logprobs)
         if k and self.stream:
             raise Unsupported("prompt_logprobs", "prompt_logprobs are not available with stream: true (as vLLM's)")
         return None if self.stream else k
@@ -208,7 +209,7 @@ class CompletionRequest(SamplingFields):
         in the context with the prompt, as vLLM checks it. Echo's 0 runs one step."""
         return 1 if self.max_tokens == 0 else self.max_tokens
 
-    def to_params(self, defaults: dict | None = None) -> SamplingParams:
+    def to_params(self, defaults: dict | None = None, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
         if self.suffix:
             raise Unsupported("suffix", "suffix is not supported")
         if self.best_of not in (None, self.n):
@@ -217,15 +218,22 @@ class CompletionRequest(SamplingFields):
             raise Unsupported("max_tokens", "max_tokens must be >= 1 (0 only with echo)")
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
         echoed = self.logprobs if self.echo and self.logprobs is not None else None
-        asked = self.prompt_logprobs_k()
+        asked = self.prompt_logprobs_k(max_logprobs)
         # the engine computes the larger; echo's rows and prompt_logprobs each show their own k
         plp = echoed if asked is None else asked if echoed is None else max(echoed, asked)
-        return self.sampling_params(self.requested_max_tokens, self.logprobs, plp, defaults)
+        return self.sampling_params(self.requested_max_tokens, self.logprobs, plp, defaults, max_logprobs)
 
 
 class DetokenizeRequest(Body):
     model: str | None = None
     tokens: TokenIds
+
+
+def check_logprobs(name: str, k: int | None, cap: int):
+    """As vLLM's server: at most `cap` (--max-logprobs; -1: any), a request's -1 (the whole
+    vocabulary) only where any is allowed."""
+    if k is not None and cap >= 0 and (k == -1 or k > cap):
+        raise Unsupported(name, f"{name} must be at most {cap} (--max-logprobs), got {k}")
 
 
 class Unsupported(ValueError):
