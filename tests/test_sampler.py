@@ -30,6 +30,15 @@ def test_top_p_takes_its_nucleus_after_top_k_and_min_p():
     assert draws([0.5, 0.3, 0.15, 0.05], min_p=0.2, top_p=0.82) == {0, 1}
 
 
+def test_top_k_keeps_the_tokens_tied_with_its_kth():
+    """As vLLM: top-k keeps every token whose logit equals the k-th largest. Tied tokens past
+    rank k were dropped, which ones by the sort's order (bf16 logits tie often): top_k=2 of
+    three tokens tied second drew token 0 and one of them."""
+    assert draws([0.4, 0.2, 0.2, 0.2], top_k=2) == {0, 1, 2, 3}
+    assert draws([0.4, 0.4, 0.2], top_k=1) == {0, 1}
+    assert draws([0.4, 0.3, 0.2, 0.1], top_k=2) == {0, 1}
+
+
 def test_top_p_of_one_keeps_a_long_tail_beside_a_filtered_row():
     """A row with top_p=1 is filtered when another row of the batch is: where the top token's
     probability rounds to 1, the mass before the tail read as 1 >= top_p and dropped it."""

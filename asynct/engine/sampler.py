@@ -18,8 +18,10 @@ def _filter_top_k_top_p_min_p(logits, seqs):
         return logits
     dev = logits.device
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=dev)[None]
-    drop = ranks >= host_to_device(top_k, torch.long, dev)[:, None]
+    # as vLLM: below the k-th largest logit, so that tokens tied with it stay (a rank cut kept
+    # some of them, whichever the sort put first)
+    kth = sorted_logits.gather(1, host_to_device(top_k, torch.long, dev)[:, None] - 1)
+    drop = sorted_logits < kth
     probs = sorted_logits.softmax(-1)
     drop |= probs < host_to_device(min_p, probs.dtype, dev)[:, None] * probs[:, :1]
     # as vLLM: the nucleus is taken from what top-k and min-p leave, renormalised
