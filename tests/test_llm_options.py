@@ -432,3 +432,15 @@ def test_allowed_token_ids_force_the_token_and_logprobs_stay_raw(llm):
         out = llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0]
         assert out.token_ids == [t] * 6
         assert out.logprobs[0][t].logprob == pytest.approx(want) and want < -1
+
+
+@pytest.mark.parametrize("bad", [2.5, "3"])
+def test_a_truncate_prompt_tokens_set_later_is_checked_before_it_cuts(llm, bad):
+    """Fields set after the params were made are checked as a request is added (recheck), but
+    truncate_prompt_tokens cut the prompt first: 2.5 failed generate with a TypeError (slice
+    indices), where every other field's bad value fails its request with a ValueError."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    params.truncate_prompt_tokens = bad
+    out, = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+    assert out.outputs[0].finish_reason == "error"
+    assert out.error.startswith("invalid SamplingParams: truncate_prompt_tokens must be an integer or None")

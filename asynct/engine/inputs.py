@@ -26,6 +26,7 @@ def tokenize(detokenizer: Detokenizer | None, prompt) -> tuple[str | None, list[
 def truncate_prompt(ids: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
     """As vLLM: truncate_prompt_tokens keeps the prompt's last k tokens (-1: max_model_len), before
     the prompt is checked, so that a prompt too long for the context runs truncated."""
+    params.recheck()     # a k set after the params were made (2.5) failed the slice with a TypeError
     k = params.truncate_prompt_tokens
     if k is None:
         return ids
