@@ -397,7 +397,7 @@ def test_max_model_len_beyond_the_rope_tables_is_a_clear_error(tiny_ckpt):
 
 
 @pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0),
-                                 dict(min_p=2), dict(n=0), dict(logprobs=-1), dict(stop=[""]),
+                                 dict(min_p=2), dict(n=0), dict(logprobs=-2), dict(stop=[""]),
                                  dict(min_tokens=5, max_tokens=2), dict(seed="x"),
                                  # wrong types and values outside what the dtypes hold (issue 17)
                                  dict(stop=5), dict(stop_token_ids=5), dict(stop_token_ids=[True]),

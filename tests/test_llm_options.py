@@ -444,3 +444,15 @@ def test_a_truncate_prompt_tokens_set_later_is_checked_before_it_cuts(llm, bad):
     out, = llm.generate(PROMPTS[:1], params, use_tqdm=False)
     assert out.outputs[0].finish_reason == "error"
     assert out.error.startswith("invalid SamplingParams: truncate_prompt_tokens must be an integer or None")
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(llm):
+    """As vLLM's (its max_logprobs=-1; LLM takes up to the vocabulary): logprobs=-1 and
+    prompt_logprobs=-1 return every token's logprob. Both were refused ("must be >= 0")."""
+    vocab = llm.llm_engine.vocab_size
+    out, = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1),
+                        use_tqdm=False)
+    assert [len(e) for e in out.outputs[0].logprobs] == [vocab] * 2
+    assert out.prompt_logprobs[0] is None and {len(e) for e in out.prompt_logprobs[1:]} == {vocab}
+    with pytest.raises(SamplingParamsError, match=r"logprobs must be >= 0 or -1 \(the whole vocabulary\), got -2"):
+        SamplingParams(logprobs=-2)

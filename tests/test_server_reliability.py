@@ -114,6 +114,9 @@ SAMPLING = [
     ("temperature 1e9", {"temperature": 1e9}, "temperature"),
     ("temperature 2.5", {"temperature": 2.5}, "temperature"),
     ("n over --max-n", {"n": 9}, "n must be at most 8"),
+    # SamplingParams' -1 (every token's logprob, as vLLM's) is past the server's cap of 20
+    ("logprobs -1", {"logprobs": -1}, "logprobs must be at most 20 (--max-logprobs), got -1"),
+    ("prompt_logprobs -1", {"prompt_logprobs": -1}, "prompt_logprobs must be at most 20 (--max-logprobs), got -1"),
     ("prompts x n over --max-choices", {"prompt": ["a"] * 33, "n": 2}, "66 choices"),
     # 200,000 one-token prompts: each had its checks, its engine request and its choice built
     # on the event loop (a million held /health for 20 s)

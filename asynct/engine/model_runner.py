@@ -16,6 +16,7 @@ from asynct.engine.cuda_graph import GraphLogits
 from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.runner_startup import RunnerStartup
 from asynct.engine.sampler import sample, takes_raw_argmax
+from asynct.engine.sampling_params import SamplingParams
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.step_output import (LaunchedStep, StepOutput, entries, logprob_parts, logprob_tensors,
                                        to_host)
@@ -193,7 +194,7 @@ class ModelRunner(RunnerStartup):
     def _logprob_tensors(self, logits, sampled, seqs):
         if all(s.params.logprobs is None for s in seqs):
             return None
-        want = [s.params.logprobs for s in seqs]
+        want = [SamplingParams.num_logprobs(s.params.logprobs, logits.shape[1]) for s in seqs]
         return want, logprob_tensors(logits.log_softmax(-1, dtype=torch.float32), sampled,
                                       max(w or 0 for w in want))
 
@@ -216,7 +217,8 @@ class ModelRunner(RunnerStartup):
         equal one pass's bit for bit on an H200; on the CPU, MKL rounds a product of under ~4
         rows a ulp apart."""
         targets = host_to_device([t for _, _, t in prompt_rows], torch.long, self.device)
-        want = [batch.seqs[i].params.prompt_logprobs for i, _, _ in prompt_rows]
+        vocab = self.config.vocab_size
+        want = [SamplingParams.num_logprobs(batch.seqs[i].params.prompt_logprobs, vocab) for i, _, _ in prompt_rows]
         n = self.max_num_seqs
         parts = [self._prompt_slice(hidden[index[a:a + n]], targets[a:a + n], max(want))
                  for a in range(0, len(prompt_rows), n)]

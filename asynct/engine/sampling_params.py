@@ -38,6 +38,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # as vLLM: -1 asks for every token's (num_logprobs gives the count)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     # asynct's addition (SGLang's logprob_start_len): the first prompt position whose logprob is
@@ -142,9 +143,8 @@ class SamplingParams:
             (self.min_tokens < 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is not None and 1 <= self.max_tokens < self.min_tokens,
              f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}"),
-            (self.logprobs is not None and self.logprobs < 0, f"logprobs must be >= 0, got {self.logprobs}"),
-            (self.prompt_logprobs is not None and self.prompt_logprobs < 0,
-             f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}"),
+            *[(k is not None and k < -1, f"{name} must be >= 0 or -1 (the whole vocabulary), got {k}")
+              for name, k in (("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs))],
             (self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
                                                               or self.truncate_prompt_tokens == -1),
              f"truncate_prompt_tokens must be >= 1 (keep the prompt's last k tokens) or -1 (its last "
@@ -186,6 +186,11 @@ class SamplingParams:
         bad = [msg for is_bad, msg in problems if is_bad]
         if bad:
             raise SamplingParamsError.of("", bad)
+
+    @staticmethod
+    def num_logprobs(k: int | None, vocab_size: int) -> int | None:
+        """How many top logprobs `logprobs` or `prompt_logprobs` k asks for: -1 is the vocabulary."""
+        return vocab_size if k == -1 else k
 
     @property
     def greedy(self) -> bool:
