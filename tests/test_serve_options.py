@@ -160,6 +160,18 @@ def test_max_logprobs_is_the_servers_cap(tiny_ckpt):
             assert "(--max-logprobs)" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("k,cap,refused", [(20, 20, False), (21, 20, True), (-1, 20, True), (None, 0, False),
+                                            (0, 0, False), (10**6, -1, False), (-1, -1, False)])
+def test_check_logprobs_as_vllms_server(k, cap, refused):
+    """A request's -1 is the whole vocabulary: past any cap but --max-logprobs -1's."""
+    from asynct.entrypoints.serve.protocol import Unsupported, check_logprobs
+    if refused:
+        with pytest.raises(Unsupported, match=f"top_logprobs must be at most {cap}"):
+            check_logprobs("top_logprobs", k, cap)
+    else:
+        check_logprobs("top_logprobs", k, cap)
+
+
 TOOLS_TEMPLATE = TEMPLATE + "{% for t in tools or [] %}<tool>{{ t.function.name }}{% endfor %}"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
