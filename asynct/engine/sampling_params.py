@@ -19,8 +19,8 @@ MAX_PENALTY = 2.0      # presence and frequency penalties: OpenAI's and vLLM's [
 # (biased), / 1e-6 (penalty), / 0.01 (the temperature floor) is 1e38, below fp32's 3.4e38.
 MAX_LOGIT_BIAS = 1e30
 MIN_REPETITION_PENALTY = 1e-6      # and at most its inverse
-# the server's cap on logprobs and prompt_logprobs (vLLM's default max_logprobs), and what the
-# start-up memory profile samples with; LLM takes up to the vocabulary
+# the server's default cap on logprobs and prompt_logprobs (--max-logprobs; vLLM's default
+# max_logprobs), and what the start-up memory profile samples with; LLM takes up to the vocabulary
 MAX_LOGPROBS = 20
 
 
