@@ -177,6 +177,19 @@ def test_echo_puts_the_continued_message_in_front(url):
         post(url, "/v1/chat/completions", {**asked, "echo": False}).json()["choices"][0]["message"]["content"]
 
 
+def test_the_response_role_is_the_continued_messages(url):
+    """As vLLM: without a generation prompt the answer continues the last message, so it carries
+    that message's role (it was always "assistant"), streamed or not."""
+    for last, want in (("user", "user"), ("assistant", "assistant")):
+        messages = [{"role": "system", "content": "s"}, {"role": last, "content": "Hel"}]
+        for extra, role in (({"add_generation_prompt": False, "continue_final_message": True}, want), ({}, "assistant")):
+            body = {"messages": messages, "max_tokens": 2, **extra}
+            assert post(url, "/v1/chat/completions", body).json()["choices"][0]["message"]["role"] == role
+            with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+                first = next(json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {"))
+            assert first["choices"][0]["delta"]["role"] == role
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/completions", {"prompt": ["hi", "a longer prompt"]}),

@@ -86,7 +86,7 @@ class Chat:
                 "choices": choices}
 
     def response(self, out) -> dict:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": self.echo + c.text},
+        choices = [{"index": c.index, "message": {"role": self.body.response_role, "content": self.echo + c.text},
                     "logprobs": self._logprobs(c, 0, len(c.token_ids)), "finish_reason": c.finish_reason,
                     "stop_reason": c.stop_reason} for c in out.outputs]
         n = sum(len(c.token_ids) for c in out.outputs)
@@ -120,7 +120,7 @@ class Chat:
     def _chunk(self, c, streams, generated) -> str | None:
         if c.index not in streams:     # OpenAI opens every choice with the role alone
             streams[c.index] = TextStream()
-            first = {"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            first = {"index": c.index, "delta": {"role": self.body.response_role, "content": ""}, "logprobs": None,
                      "finish_reason": None}
             # as vLLM's return_token_ids: the prompt's ids with each choice's role
             ids = {"prompt_token_ids": self.prompt_ids} if self.body.return_token_ids else {}

@@ -82,6 +82,12 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return self.sampling_params(self.requested_max_tokens, k, self.prompt_logprobs_k(max_logprobs), defaults,
                                     max_logprobs)
 
+    @property
+    def response_role(self) -> str:
+        """As vLLM: the assistant's, or without a generation prompt the last message's (the
+        template continues it)."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
     def echoed(self) -> str:
         """What echo puts in front of the answer: as vLLM, the last message's content where the
         answer is of its role (always, without a generation prompt: the template continues it)."""
