@@ -1,6 +1,9 @@
 """`asynct serve`'s vLLM-shaped flags: --chat-template (file or inline), --seed,
---tensor-parallel-size, --trust-remote-code, --uvicorn-log-level, --disable-log-stats; chat
-`tools` through the template, and the fields it cannot honour refused by name."""
+--tensor-parallel-size, --trust-remote-code, --uvicorn-log-level, --disable-log-stats, CORS,
+--max-logprobs, --enable-request-id-headers; chat `tools` through the template, and the fields it
+cannot honour refused by name."""
+import json
+
 import httpx
 import pytest
 
@@ -158,6 +161,26 @@ def test_max_logprobs_is_the_servers_cap(tiny_ckpt):
             r = httpx.post(url + path, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert "(--max-logprobs)" in r.json()["error"]["message"]
+
+
+def test_request_id_headers_as_vllms(tiny_ckpt):
+    """vLLM's X-Request-Id: a completion's id takes the client's, and --enable-request-id-headers
+    puts it (or a new one) on every response; two requests may send the same one."""
+    assert build_parser().parse_args(["serve", "DIR", "--enable-request-id-headers"]).enable_request_id_headers
+    app = make_app(tiny_ckpt, request_id_headers=True, log_stats_interval=None)
+    body = {"prompt": "hi", "max_tokens": 2}
+    with ServerThread(app) as url:
+        for _ in range(2):
+            r = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": "trace-7"}, timeout=60)
+            assert (r.json()["id"], r.headers["x-request-id"]) == ("cmpl-trace-7", "trace-7")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=chat, headers={"X-Request-Id": "t8"}) as r:
+            assert r.headers["x-request-id"] == "t8"
+            assert all(json.loads(line[6:])["id"] == "chatcmpl-t8" for line in r.iter_lines()
+                       if line.startswith("data: {"))
+        r = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert len(r.headers["x-request-id"]) == 32 and r.json()["id"].startswith("cmpl-")
+        assert httpx.get(url + "/health").headers["x-request-id"]
 
 
 @pytest.mark.parametrize("k,cap,refused", [(20, 20, False), (21, 20, True), (-1, 20, True), (None, 0, False),

@@ -42,6 +42,9 @@ def add_parser(sub):
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic throughput line (it comes every 10 s while requests run)")
     p.add_argument("--access-log", action="store_true", help="log every request (slows heavy load)")
+    p.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the client's own where it sent one (vLLM's); "
+                        "a completion's id takes the client's either way")
     add_engine_args(p)
     p.set_defaults(fn=cmd_serve)
     return p
@@ -147,7 +150,7 @@ def cmd_serve(a):
                        limits=server_limits(a), chat_template=a.chat_template,
                        log_stats_interval=None if a.disable_log_stats else 10.0, seed=a.seed,
                        tensor_parallel_size=a.tensor_parallel_size, trust_remote_code=a.trust_remote_code,
-                       cors=cors_options(a), **engine_kwargs(a))
+                       cors=cors_options(a), request_id_headers=a.enable_request_id_headers, **engine_kwargs(a))
         config = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.uvicorn_log_level or a.log_level,
                                 access_log=a.access_log, timeout_graceful_shutdown=5, **connection_options(app))
         server = Server(config)

@@ -4,6 +4,7 @@ import contextlib
 import logging
 import secrets
 import time
+import uuid
 import weakref
 from collections import Counter
 
@@ -29,8 +30,10 @@ PROTECTED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")   # /health,
 
 
 def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: int = 16 << 20,
-              log_stats_interval: float | None = 10.0, cors: dict | None = None) -> FastAPI:
-    """`cors`: CORSMiddleware's options (None: no CORS headers)."""
+              log_stats_interval: float | None = 10.0, cors: dict | None = None,
+              request_id_headers: bool = False) -> FastAPI:
+    """`cors`: CORSMiddleware's options (None: no CORS headers). `request_id_headers`: vLLM's
+    --enable-request-id-headers (RequestIdHeader)."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         import asyncio
@@ -46,6 +49,8 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: i
     app = FastAPI(title="asynct", lifespan=lifespan)
     app.state.ctx, app.state.http_counts, app.state.limits = ctx, Counter(), ctx.limits
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, counts=app.state.http_counts)
+    if request_id_headers:
+        app.add_middleware(RequestIdHeader)
     if cors:    # added last, so outermost: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, **cors)
     add_error_handlers(app)
@@ -156,6 +161,24 @@ def add_error_handlers(app: FastAPI):
 
 
 
+class RequestIdHeader:
+    """Pure ASGI: every response carries X-Request-Id, the client's own where it sent one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def tagged(msg):
+            if msg["type"] == "http.response.start":
+                msg = {**msg, "headers": [*msg.get("headers", []), (b"x-request-id", rid)]}
+            await send(msg)
+        await self.app(scope, receive, tagged)
+
+
 class Guard:
     """Pure ASGI (so streaming is untouched): API key, body-size limit, response counts, and the
     500 for an unhandled error (here rather than in Starlette's outermost handler, so that it is
@@ -233,11 +256,13 @@ class Server(uvicorn.Server):
 def make_app(model: str, served_model_name: str | list[str] | None = None, api_key: str | None = None,
              max_queued_requests: int | None = None, max_body_bytes: int = 16 << 20, make_engine=None,
              limits: ServerLimits | None = None, log_stats_interval: float | None = 10.0,
-             chat_template: str | None = None, cors: dict | None = None, **engine_kwargs) -> FastAPI:
+             chat_template: str | None = None, cors: dict | None = None, request_id_headers: bool = False,
+             **engine_kwargs) -> FastAPI:
     """Starts the engine process and waits for its model (the slow part), then builds the app.
     `make_engine(EngineArgs) -> LLMEngine` runs in that process (tests wrap the engine with it).
     `log_stats_interval`: seconds between throughput log lines (None: none). `chat_template`: a
-    Jinja template or a file holding one, in place of the tokenizer's. `cors`: build_app's."""
+    Jinja template or a file holding one, in place of the tokenizer's. `cors`,
+    `request_id_headers`: build_app's."""
     import time
 
     from asynct.engine.engine_args import EngineArgs
@@ -260,4 +285,4 @@ def make_app(model: str, served_model_name: str | list[str] | None = None, api_k
     # but not the app's ~4,000 objects: FastAPI's cycles among them hold the engine, and frozen
     # they were never collected once the app was dropped, nor the engine, nor the heap unfrozen
     freeze_startup_heap(engine)
-    return build_app(ctx, api_key, max_body_bytes, log_stats_interval, cors)
+    return build_app(ctx, api_key, max_body_bytes, log_stats_interval, cors, request_id_headers)

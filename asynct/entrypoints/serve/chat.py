@@ -66,7 +66,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = await ctx.off_loop(render_chat, ctx, body, body.add_special_tokens)
     await ctx.check_bad_words(params, body)
     ids = ctx.check_prompt(ids, params, body)
-    chat = Chat(ctx, body, request_id("chatcmpl"), ids)
+    chat = Chat(ctx, body, request_id("chatcmpl", request), ids)
     handle = ctx.submit([ids], params, stream=body.stream)
     if body.stream:
         return EventStream(chat.stream(handle), handle)

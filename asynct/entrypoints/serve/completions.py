@@ -28,7 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request, ctx: Serv
     # echo's text is the prompt as it ran: a truncated one decoded
     texts = [p if isinstance(p, str) and len(i) == len(e) else ctx.decode(i, False)
              for p, e, i in zip(prompts, encoded, ids)]
-    job = Completion(ctx, body, request_id("cmpl"), texts, ids)
+    job = Completion(ctx, body, request_id("cmpl", request), texts, ids)
     handle = ctx.submit(ids, params, stream=body.stream)
     if body.stream:
         return EventStream(job.stream(handle), handle)

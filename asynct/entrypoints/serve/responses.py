@@ -15,8 +15,11 @@ from asynct.entrypoints.serve.serving import ApiError, error_body
 log = logging.getLogger("asynct.serve")
 
 
-def request_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def request_id(prefix: str, request: Request | None = None) -> str:
+    """As vLLM's: the client's X-Request-Id where it sent one (a gateway's trace id), else random.
+    The engine's own ids stay apart (AsyncEngine.submit): two requests may send the same."""
+    given = request.headers.get("x-request-id") if request is not None else None
+    return f"{prefix}-{given or uuid.uuid4().hex}"
 
 
 async def collect(handle: RequestHandle, request: Request) -> dict:
