@@ -308,9 +308,12 @@ def test_tokenize_returns_token_strs_as_vllm(url, llm):
     assert "token_strs" not in post(url, {"prompt": "hi"}, "/tokenize").json()
 
 
-def test_models_health_metrics(url):
+def test_models_health_metrics(url, tiny_ckpt):
     models = httpx.get(url + "/v1/models", headers=AUTH).json()
-    assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048
+    card = models["data"][0]
+    assert card["id"] == "tiny" and card["max_model_len"] == 2048
+    # vLLM's card: the checkpoint as root, a permission object
+    assert (card["root"], card["parent"], card["permission"][0]["object"]) == (str(tiny_ckpt), None, "model_permission")
     assert httpx.get(url + "/health").json() == {"status": "ok"}     # open without the key
     from asynct import __version__
     assert httpx.get(url + "/version").json() == {"version": __version__}     # vLLM's, open too

@@ -73,8 +73,7 @@ def add_routes(app: FastAPI, ctx: ServingContext):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": ctx.created, "owned_by": "asynct",
-                                            "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
+        return {"object": "list", "data": [model_card(ctx, name) for name in ctx.model_names]}
 
     @app.get("/version")
     async def version():     # vLLM's: an operator's check of what runs
@@ -125,6 +124,16 @@ def add_routes(app: FastAPI, ctx: ServingContext):
         return {"tokenizer_class": type(t).__name__, "eos_token": t.eos_token, "bos_token": t.bos_token,
                 "pad_token": t.pad_token, "chat_template": getattr(t, "chat_template", None),
                 "model_max_length": ctx.max_model_len}
+
+
+def model_card(ctx: ServingContext, name: str) -> dict:
+    """vLLM's card: `root` is the checkpoint served, `permission` what a client may do with it."""
+    permission = {"id": f"modelperm-{name}", "object": "model_permission", "created": ctx.created,
+                  "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                  "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                  "organization": "*", "group": None, "is_blocking": False}
+    return {"id": name, "object": "model", "created": ctx.created, "owned_by": "asynct", "root": ctx.model_dir,
+            "parent": None, "max_model_len": ctx.max_model_len, "permission": [permission]}
 
 
 def add_error_handlers(app: FastAPI):

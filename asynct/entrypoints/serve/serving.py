@@ -113,7 +113,7 @@ class ServingContext:
         # vLLM's: a request may name any of the served names; responses carry the first
         self.model_names = [served_model_name] if isinstance(served_model_name, str) else \
             list(served_model_name or [model_dir])
-        self.model_name = self.model_names[0]
+        self.model_name, self.model_dir = self.model_names[0], model_dir
         self.aliases = {*self.model_names, model_dir}
         # the front end's own tokenizer: the engine's lives in the engine process
         self.detok = Detokenizer.from_path(engine.args.tokenizer or model_dir)
