@@ -87,7 +87,7 @@ COMMON = dict(D=128, BS=16, P=3, RELU=True, PREC="tf32", FP8=False)
 
 def decode_reports():
     args = dict(ATTN, out_ptr="*fp32", plen_ptr="*i32", pre_ptr="*fp32", order_ptr="*i32", sqb=1024, sqh=128, sbt=64,
-                sob=1024 * 8, soh=128 * 8, sos=128, N_PRE=56, S_PRE=2)
+                sob=1024 * 8, soh=128 * 8, sos=128, N_PRE=56, S_PRE=2, fin_ptr="*bf16", sfb=1024, sfh=128)
     n, w, st = dec.BLOCK_N, 4, 2    # asynci_decode_triton's launch
     for fp8 in (False, True):
         # an FP8 cache is read as int32 words (asynci_common.kv_operands): strides in words

@@ -264,6 +264,18 @@ def test_decode_sums_only_the_splits_that_held_keys(monkeypatch):
     for splits in (1, 16):
         assert decode_case(asynci_decode_triton, [3, 100, 64, 1], 4, 2, 16, 4, 3, True, device=DEV, splits=splits,
                            prefix_len=none) < 1e-5
+    # one split a row with nothing shared: the rows write out themselves (cascade_direct), the
+    # sum only waits; as the sum would have, bit for bit (one partial plus 0.0, rounded once)
+    gen = torch.Generator().manual_seed(3)
+    cache, table = make_cache([3, 100, 64, 1], 2, 16, 4, torch.bfloat16, DEV, gen)
+    q = torch.randn(4, 4, 16, generator=gen).to(torch.bfloat16).to(DEV)
+    sigma, seq = (torch.randn(4, generator=gen) * 1.5).to(DEV), torch.tensor([3, 100, 64, 1], dtype=torch.int32,
+                                                                              device=DEV)
+    run = lambda plen: asynci_decode_triton(q, cache, table, seq, sigma, 0.25, 3, True,  # noqa: E731
+                                            torch.full_like(q, float("nan")), splits=1, prefix_len=plen)
+    direct, plain = run(none), run(None)
+    assert torch.equal(direct, plain) and not direct.isnan().any()
+    # (the partials are NaN-filled: a sum that did not stand aside would have made out NaN)
     # the sum adds at most 8 prefix partials: more is refused, not summed short
     assert shared_prefix_case([600, 640, 560], 128, 4, 2, 16, 4, 3, True, device=DEV, prefix_splits=8) < 1e-5
     with pytest.raises(ValueError, match="prefix_splits must be 1-8, got 9"):

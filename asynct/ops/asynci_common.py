@@ -219,18 +219,31 @@ def _sum_splits_kernel(mid_ptr, out_ptr, seq_ptr, plen_ptr, pre_ptr, sob, soh, S
     eight in flight before the first add (one at a time, batch 1 at 2,048 keys: 14.7-15.2
     against 13.8-14.1 us a layer of QKV + decode + o_proj; H200, benchmarks/RESULTS.md)."""
     row, used, start = split_partials(mid_ptr, seq_ptr, plen_ptr, S, D, BLOCK_N, CASCADE)
+    written = False
+    if CASCADE:     # nothing shared and one split a row: the decode wrote out itself (cascade_direct)
+        written = cascade_direct(plen_ptr, S)
     wait_for_prior(PDL)
-    acc = tl.zeros([D], dtype=tl.float32)
-    for c in range(tl.cdiv(used, 8)):   # a run-time count: one compiled kernel for every split count
-        for j in tl.static_range(8):    # past `used`: masked off, x + 0.0 is x
-            acc += tl.load(row + (c * 8 + j) * D, mask=c * 8 + j < used, other=0.0)
-    if CASCADE:     # a row holding no prefix keys (none shared, or an empty row) has none written
-        pre = (pre_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * S_PRE).to(tl.int64) * D
-               + tl.arange(0, D))
-        for j in tl.static_range(8):    # MAX_PREFIX_SPLITS
-            acc += tl.load(pre + j * D, mask=(start > 0) & (j < S_PRE), other=0.0)
-    dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
-    tl.store(dst, acc.to(out_ptr.dtype.element_ty))
+    if not written:
+        acc = tl.zeros([D], dtype=tl.float32)
+        for c in range(tl.cdiv(used, 8)):   # a run-time count: one compiled kernel for every split count
+            for j in tl.static_range(8):    # past `used`: masked off, x + 0.0 is x
+                acc += tl.load(row + (c * 8 + j) * D, mask=c * 8 + j < used, other=0.0)
+        if CASCADE:     # a row holding no prefix keys (none shared, or an empty row) has none written
+            pre = (pre_ptr + ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * S_PRE).to(tl.int64) * D
+                   + tl.arange(0, D))
+            for j in tl.static_range(8):    # MAX_PREFIX_SPLITS
+                acc += tl.load(pre + j * D, mask=(start > 0) & (j < S_PRE), other=0.0)
+        dst = out_ptr + tl.program_id(0).to(tl.int64) * sob + tl.program_id(1) * soh + tl.arange(0, D)
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty))
+
+
+@_jit
+def cascade_direct(plen_ptr, n_splits):
+    """Whether a cascade decode's rows write their output themselves, not partials for the sum:
+    where no prefix is shared this step (every decode graph of 16+ rows runs the cascade variant)
+    and each row is one split, the sum would only copy. Host-written lengths: read before the
+    PDL wait. The sum kernel still runs (a graph holds it) and only waits."""
+    return (tl.load(plen_ptr) == 0) & (n_splits == 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,8 +18,8 @@ import functools
 import torch
 
 from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pdl, pow2, tl, wait_for_prior
-from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, check_layer, fold_k_scale, kv_operands,
-                                      layer_layout, scale_args, sm_count, split_output,
+from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, cascade_direct, check_layer, fold_k_scale,
+                                      kv_operands, layer_layout, scale_args, sm_count, split_output,
                                       split_range, sum_splits, sum_splits_launch)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
@@ -37,7 +37,7 @@ BLOCK_N = 64
 
 @_jit
 def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, b, kvh, split, scale,
-                sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
+                sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr, fin_ptr, sfb, sfh,
                 D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                 P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
                 FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr):
@@ -46,6 +46,9 @@ def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_p
     # read while the kernel before finishes: the lengths are not that kernel's output (the
     # caller's contract, asynci_decode_triton). sigma may be cast by the kernel just before: after.
     lo, hi, used, _ = split_range(seq_ptr, plen_ptr, b, split, tl.num_programs(2), BLOCK_N, CASCADE)
+    direct = False
+    if CASCADE:
+        direct = cascade_direct(plen_ptr, tl.num_programs(2))
     wait_for_prior(PDL)
     g = tl.arange(0, M)
     gmask = g < G
@@ -63,6 +66,9 @@ def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_p
     mask = gmask[:, None] & (split < used)
     if ACCUMULATE:  # into the caller's zeroed fp32 sums, in whatever order the splits finish
         tl.atomic_add(dst, acc, mask=mask, sem="relaxed")
+    elif direct:    # as the sum would: 0.0 + acc (a -0.0 becomes +0.0), rounded once
+        fin = fin_ptr + b.to(tl.int64) * sfb + head[:, None] * sfh + d[None, :]
+        tl.store(fin, (acc + 0.0).to(fin_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
         tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -97,9 +103,10 @@ def _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, p, k
         tl.store(dst, acc, mask=rmask[:, None])
 
 
-@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "N_PRE", "S_PRE"])
+@_jit(do_not_specialize=["sbt", "sob", "soh", "sos", "N_PRE", "S_PRE", "sfb", "sfh"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, pre_ptr, order_ptr, scale,
                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, N_PRE, S_PRE, ks_ptr, vs_ptr,
+                   fin_ptr, sfb, sfh,
                    D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                    P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, CASCADE: tl.constexpr,
                    FP8: tl.constexpr, PTX: tl.constexpr, PDL: tl.constexpr, ACCUMULATE: tl.constexpr,
@@ -126,7 +133,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, ple
         # ORDERED: the caller's order of the rows (a host-written step input), a row's KV heads side by side
         b = tl.load(order_ptr + i) if ORDERED else i
         _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_ptr, b, kvh, split, scale,
-                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr,
+                    sqb, sqh, sbt, sob, soh, sos, s_blk, s_tok, s_head, G, ks_ptr, vs_ptr, fin_ptr, sfb, sfh,
                     D, BS, M, BLOCK_N, P, RELU, PREC, CASCADE, FP8, PTX, PDL, ACCUMULATE)
 
 
@@ -244,7 +251,7 @@ class DecodeLaunch:
         self.decode(
             q, k_cache, v_cache, *self.rows_args, sigma, dst, plen,
             dst if pre is None else pre, order, scale, q.stride(0), q.stride(1), sbt, *strides, *kv_strides,
-            g, n_pre, s_pre, ks, vs, FP8=fp8, PTX=ptx, **self.consts)
+            g, n_pre, s_pre, ks, vs, out, out.stride(0), out.stride(1), FP8=fp8, PTX=ptx, **self.consts)
         return out if self.partials is None else sum_splits(dst, out, self.splits, self.lens, pre, self.sum)
 
 
