@@ -79,3 +79,18 @@ def test_the_block_a_finishing_step_fills_is_published(tiny_ckpt, async_scheduli
     follow = prompt + out[:4] + [99]                  # out[:4] fill the third block
     llm.generate([{"prompt_token_ids": follow}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert bm.num_hits - before == 3
+
+
+def test_a_recomputed_sequence_reports_the_hits_of_its_first_scheduling(tiny_ckpt):
+    """num_cached_tokens is what the prefix cache served a request when it first ran, as vLLM's:
+    a sequence preempted and recomputed re-took its own prompt's blocks, and a prompt that shared
+    nothing with any other reported them as cached (16 of 23 tokens), more the more pressure."""
+    import random
+
+    from asynct import LLM
+    llm = LLM(tiny_ckpt, num_kv_blocks=12, block_size=8, device="cpu")
+    r = random.Random(11)
+    prompts = [{"prompt_token_ids": [r.randrange(256) for _ in range(r.randint(20, 30))]} for _ in range(6)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert [o.num_cached_tokens for o in outs] == [0] * 6

@@ -109,7 +109,9 @@ class BlockManager:
                 block.ref_count += 1
                 seq.block_table.append(block.block_id)
                 seq.block_hashes.append(block.hash)
-            seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+            seq.num_computed_tokens = len(hits) * self.block_size
+            if not seq.num_preemptions:   # a recompute's hits are mostly its own blocks, no shared prefix
+                seq.num_cached_tokens = seq.num_computed_tokens
         need = (seq.num_computed_tokens + num_tokens + self.block_size - 1) // self.block_size
         while len(seq.block_table) < need:
             seq.block_table.append(self._take_free_block().block_id)

@@ -25,7 +25,8 @@ class Sequence:
         self.table_row = -1               # its row of the block manager's HostBlockTables
         self.block_hashes: list[bytes] = []   # chained hashes of the full blocks computed so far
         self.num_computed_tokens = 0      # tokens whose K/V are in the cache (or queued to be)
-        self.num_cached_tokens = 0        # of those, how many came from the prefix cache
+        self.num_cached_tokens = 0        # tokens the prefix cache served at its first scheduling
+        self.num_preemptions = 0
         # async scheduling: tokens sampled on the device that the host has not seen yet (at most
         # one at scheduling time), and the row of the last step's samples that holds the newest
         self.num_pending_tokens = 0
@@ -94,7 +95,8 @@ class Sequence:
         (a token still on the device joins them when its step is finished)."""
         self.status = SequenceStatus.WAITING
         self.block_table, self.block_hashes = [], []
-        self.num_computed_tokens = self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_preemptions += 1
 
 
 @dataclass
