@@ -564,6 +564,22 @@ def test_a_chat_past_max_prompt_chars_names_messages(tiny_ckpt):
         assert post(u, {"model": "tiny", "prompt": "x" * 200}).json()["error"]["param"] == "prompt"
 
 
+def test_a_given_max_prompt_chars_is_named_as_the_reason(tiny_ckpt):
+    """A prompt past --max-prompt-chars was refused as one that "cannot fit in max_model_len=2048
+    tokens", though 12 characters fit; the message now names the flag's limit as the reason, and
+    the default limit still names max_model_len."""
+    from asynct.entrypoints.serve.limits import ServerLimits
+    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny", limits=ServerLimits(max_prompt_chars=10))) as u:
+        for extra in ({}, {"truncate_prompt_tokens": 3}):
+            r = post(u, {"model": "tiny", "prompt": "x" * 12, "max_tokens": 1, **extra})
+            msg = r.json()["error"]["message"]
+            assert r.status_code == 400 and "at most 10" in msg and "--max-prompt-chars" in msg, r.text
+            assert "max_model_len" not in msg, msg
+    with ServerThread(make_app(tiny_ckpt, served_model_name="tiny")) as u:
+        r = post(u, {"model": "tiny", "prompt": "x" * 100_000, "max_tokens": 1})
+        assert r.status_code == 400 and "cannot fit in max_model_len=2048" in r.json()["error"]["message"], r.text
+
+
 def test_more_bad_requests_then_good(url, client):
     def chunks():        # a chunked body states no length up front: counted as it arrives
         for _ in range(80):

@@ -171,9 +171,10 @@ class ServingContext:
         self.need_tokenizer("a text prompt")
         limit = self.limits.max_prompt_chars if truncated else self.max_prompt_chars
         if limit and len(prompt) > limit:
+            why = "--max-prompt-chars" if self.limits.max_prompt_chars else \
+                f"more cannot fit in max_model_len={self.max_model_len} tokens; --max-prompt-chars"
             raise ApiError(400, f"the prompt has {len(prompt)} characters; this server tokenises at most "
-                                f"{self.max_prompt_chars} (more cannot fit in max_model_len={self.max_model_len} "
-                                "tokens; --max-prompt-chars)", param=param)
+                                f"{limit} ({why})", param=param)
         return self.detok.encode(prompt, add_special_tokens)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, body) -> list[int]:
