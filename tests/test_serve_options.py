@@ -183,6 +183,28 @@ def test_request_id_headers_as_vllms(tiny_ckpt):
         assert httpx.get(url + "/health").headers["x-request-id"]
 
 
+def test_minus_one_logprobs_through_the_server_are_the_whole_vocabulary(tiny_ckpt):
+    """With --max-logprobs -1 a request's -1 asks for every token's logprob (docs/serving.md):
+    top_logprobs -1 gave all but the last (a [:-1] slice), prompt_logprobs -1 and echo's rows of
+    logprobs -1 only the prompt's own token (rank <= -1), and beside another k the engine
+    computed that k (max(-1, k))."""
+    app = make_app(tiny_ckpt, limits=ServerLimits(max_logprobs=-1), log_stats_interval=None)
+    vocab = json.loads((tiny_ckpt / "config.json").read_text())["vocab_size"]
+    with ServerThread(app) as url:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
+                "top_logprobs": -1}
+        r = httpx.post(url + "/v1/chat/completions", json=chat, timeout=60)
+        assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
+        for lp, plp in ((None, -1), (2, -1)):
+            body = {"prompt": "hello", "max_tokens": 1, "prompt_logprobs": plp, "logprobs": lp, "echo": lp is not None}
+            rows = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["prompt_logprobs"]
+            assert {len(e) for e in rows[1:]} == {vocab}, (body, [len(e) for e in rows[1:]])
+        for plp in (None, 2):    # echo's prompt rows as its generated row: every token (keyed by text)
+            body = {"prompt": "hello", "max_tokens": 1, "logprobs": -1, "echo": True, "prompt_logprobs": plp}
+            top = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["logprobs"]
+            assert {len(t) for t in top["top_logprobs"][1:]} == {len(top["top_logprobs"][-1])} != {1}, body
+
+
 @pytest.mark.parametrize("k,cap,refused", [(20, 20, False), (21, 20, True), (-1, 20, True), (None, 0, False),
                                             (0, 0, False), (10**6, -1, False), (-1, -1, False)])
 def test_check_logprobs_as_vllms_server(k, cap, refused):

@@ -163,5 +163,5 @@ def chat_token(tid, entry, k) -> dict:
     def one(lp):
         tok = lp.decoded_token or ""
         return {"token": tok, "logprob": finite(lp.logprob), "bytes": list(tok.encode("utf-8", "replace"))}
-    best = sorted(entry.values(), key=lambda x: -x.logprob)[:k]
+    best = sorted(entry.values(), key=lambda x: -x.logprob)[:None if k == -1 else k]     # -1: every token
     return {**one(entry[tid]), "top_logprobs": [one(lp) for lp in best]}

@@ -219,8 +219,10 @@ class CompletionRequest(SamplingFields):
         # echo with max_tokens 0 (scoring a prompt) still runs one step: that token is dropped
         echoed = self.logprobs if self.echo and self.logprobs is not None else None
         asked = self.prompt_logprobs_k(max_logprobs)
-        # the engine computes the larger; echo's rows and prompt_logprobs each show their own k
-        plp = echoed if asked is None else asked if echoed is None else max(echoed, asked)
+        # the engine computes the larger (-1, the vocabulary, above any); echo's rows and
+        # prompt_logprobs each show their own k
+        plp = echoed if asked is None else asked if echoed is None else -1 if -1 in (echoed, asked) else \
+            max(echoed, asked)
         return self.sampling_params(self.requested_max_tokens, self.logprobs, plp, defaults, max_logprobs)
 
 

@@ -76,8 +76,8 @@ def finite(x: float) -> float:
 
 def top_k(entry: dict, k: int) -> dict:
     """A logprobs entry (token id -> Logprob: the token's own first, then the top ranks) cut to
-    the token's own and the top k, where the engine computed more for another field."""
-    return {t: lp for i, (t, lp) in enumerate(entry.items()) if i == 0 or lp.rank <= k}
+    the token's own and the top k (-1: all), where the engine computed more for another field."""
+    return {t: lp for i, (t, lp) in enumerate(entry.items()) if i == 0 or k == -1 or lp.rank <= k}
 
 
 def prompt_logprobs_json(plp, k: int) -> list | None:
