@@ -180,6 +180,10 @@ def test_request_id_headers_as_vllms(tiny_ckpt):
                        if line.startswith("data: {"))
         r = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert len(r.headers["x-request-id"]) == 32 and r.json()["id"].startswith("cmpl-")
+        # a client (or a proxy appending its own) sending two: the header echoed is the one the id took
+        r = httpx.post(url + "/v1/completions", json=body, headers=[("X-Request-Id", "a"), ("X-Request-Id", "b")],
+                       timeout=60)
+        assert (r.json()["id"], r.headers.get_list("x-request-id")) == ("cmpl-a", ["a"])
         assert httpx.get(url + "/health").headers["x-request-id"]
 
 

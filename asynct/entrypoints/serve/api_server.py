@@ -179,7 +179,9 @@ class RequestIdHeader:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+        # the first one sent, as Request.headers.get gives the completion's id (dict() kept the last)
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        rid = given or uuid.uuid4().hex.encode()
 
         async def tagged(msg):
             if msg["type"] == "http.response.start":
