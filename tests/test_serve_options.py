@@ -136,6 +136,12 @@ def test_cors_answers_a_browser_preflight_before_the_api_key(tiny_ckpt):
         assert (r.status_code, r.headers["access-control-allow-origin"]) == (200, "http://ui.example")
         r = httpx.options(url + "/v1/completions", headers={**preflight, "Origin": "http://evil.example"})
         assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    # with --enable-request-id-headers every response carries X-Request-Id, a preflight's too
+    app = make_app(tiny_ckpt, cors=dict(allow_origins=["*"], allow_methods=["*"], allow_headers=["*"],
+                                        allow_credentials=False), request_id_headers=True, log_stats_interval=None)
+    with ServerThread(app) as url:
+        r = httpx.options(url + "/v1/completions", headers={**preflight, "X-Request-Id": "p1"})
+        assert (r.status_code, r.headers.get("x-request-id")) == (200, "p1")
     app = make_app(tiny_ckpt, log_stats_interval=None)
     with ServerThread(app) as url:
         r = httpx.get(url + "/v1/models", headers={"Origin": "http://ui.example"})

@@ -49,10 +49,10 @@ def build_app(ctx: ServingContext, api_key: str | None = None, max_body_bytes: i
     app = FastAPI(title="asynct", lifespan=lifespan)
     app.state.ctx, app.state.http_counts, app.state.limits = ctx, Counter(), ctx.limits
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, counts=app.state.http_counts)
-    if request_id_headers:
-        app.add_middleware(RequestIdHeader)
-    if cors:    # added last, so outermost: a browser's preflight carries no API key
+    if cors:    # outside the Guard: a browser's preflight carries no API key
         app.add_middleware(CORSMiddleware, **cors)
+    if request_id_headers:    # outermost: on every response, CORS's preflight answers too (as vLLM's)
+        app.add_middleware(RequestIdHeader)
     add_error_handlers(app)
     add_routes(app, ctx)
     return app
