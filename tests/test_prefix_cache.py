@@ -94,3 +94,4 @@ def test_a_recomputed_sequence_reports_the_hits_of_its_first_scheduling(tiny_ckp
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert [o.num_cached_tokens for o in outs] == [0] * 6
+    assert llm.llm_engine.block_manager.prefix_cache_hit_rate == 0     # /metrics' too

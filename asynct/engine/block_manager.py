@@ -119,6 +119,10 @@ class BlockManager:
             self.tables.extend(seq, start)
 
     def record_prefix_query(self, seq: Sequence, hits: list[Block]):
+        """The hit rate counts a request's first scheduling only, as vLLM's: a recompute mostly
+        re-takes its own blocks, and counted, memory pressure read as prefix sharing."""
+        if seq.num_preemptions:
+            return
         self.num_queries += seq.num_cacheable_tokens // self.block_size
         self.num_hits += len(hits)
 
