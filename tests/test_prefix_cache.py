@@ -1,5 +1,8 @@
 """The prefix cache's keys: a block is served only after exactly the same tokens before it."""
+import random
+
 import pytest
+import torch
 
 from asynct.engine.block_manager import BlockManager, chain_hash
 from asynct.engine.sampling_params import SamplingParams
@@ -95,3 +98,82 @@ def test_a_recomputed_sequence_reports_the_hits_of_its_first_scheduling(tiny_ckp
     assert llm.llm_engine.scheduler.num_preemptions > 0
     assert [o.num_cached_tokens for o in outs] == [0] * 6
     assert llm.llm_engine.block_manager.prefix_cache_hit_rate == 0     # /metrics' too
+
+
+PROMPT = [(5 * i + 3) % 256 for i in range(37)]     # 9 full blocks of 4 and one token
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_request_s_samples_share_its_prompt_in_their_first_step(tiny_ckpt, backend):
+    """A request's n samples (and prompts that repeat one) are admitted in one step: the first
+    computes the prompt, the others take its full blocks as hits in that same step (a step
+    writes its K/V before any attention reads them) and compute only the rest, as in vLLM.
+    They computed every prompt whole (316 positions, not 52). Outputs equal an engine's
+    without the prefix cache."""
+    from asynct import LLM
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT + [1, 2, 3, 4, 5]}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, n=4, logprobs=2)
+    runs = {}
+    for caching in (True, False):
+        llm = LLM(tiny_ckpt, block_size=4, num_kv_blocks=200, max_num_batched_tokens=64, device="cpu",
+                  attention_backend=backend, enable_prefix_caching=caching)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[caching] = [[(c.token_ids, [lp.logprob for d in c.logprobs for lp in sorted(d.values(), key=lambda x: x.rank)]) for c in o.outputs] for o in outs]
+        if caching:
+            # A: 37, its 3 siblings 1 each; B: 42 less A's 9 blocks, its siblings past its 10: 2 each
+            assert llm.llm_engine.stats["prompt_tokens"] == 37 + 3 + 6 + 3 * 2
+            assert [o.num_cached_tokens for o in outs] == [0, 36]     # sample 0's
+    for got, want in zip(runs[True], runs[False]):
+        for (ids, lps), (want_ids, want_lps) in zip(got, want):
+            assert ids == want_ids
+            assert lps == pytest.approx(want_lps, abs=1e-5)
+
+
+def test_a_step_that_fails_to_launch_takes_back_the_blocks_it_was_to_fill(tiny_ckpt, monkeypatch):
+    """A request that makes its step's launch raise shares that step with one repeating its
+    prompt, which took the blocks the failing one published while scheduled. Those hold no
+    K/V: the sharer waits for the next step and computes its own, and the hashes are taken
+    back, so a later prompt never reads them either. Both equal the prompt run alone."""
+    from asynct import LLM
+    llm = LLM(tiny_ckpt, block_size=4, num_kv_blocks=200, device="cpu")
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompt = {"prompt_token_ids": PROMPT}
+    want = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(tiny_ckpt, block_size=4, num_kv_blocks=200, device="cpu")
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def failing(batch):
+        if any(s.params.seed == -17 for s in batch.seqs):
+            raise RuntimeError("injected launch failure")
+        return launch(batch)
+    monkeypatch.setattr(runner, "launch", failing)
+    bad = SamplingParams(temperature=0, max_tokens=6, seed=-17)
+    outs = llm.generate([prompt, prompt], [bad, greedy], use_tqdm=False)
+    assert "injected launch failure" in outs[0].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == want
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == want
+    assert llm.llm_engine.block_manager.num_free_blocks == llm.llm_engine.block_manager.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_samples_sharing_their_prompt_in_one_step_on_gpu(tiny_ckpt, enforce_eager):
+    """The Triton kernels on a GPU: 6 requests of 8 greedy samples, over prompts of 250-700
+    tokens (two repeated), each prompt computed about once; fp32 tokens equal an engine's
+    without the prefix cache, whose every sample computes its prompt."""
+    from asynct import LLM
+    rng = random.Random(4)
+    base = [[rng.randrange(256) for _ in range(rng.randint(250, 700))] for _ in range(4)]
+    prompts = [{"prompt_token_ids": p} for p in base + base[:2]]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=8)
+    runs, computed = {}, {}
+    for caching in (True, False):
+        llm = LLM(tiny_ckpt, dtype="float32", device="cuda", gpu_memory_utilization=0.3,
+                  enforce_eager=enforce_eager, enable_prefix_caching=caching)
+        runs[caching] = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        computed[caching] = llm.llm_engine.stats["prompt_tokens"]
+        del llm
+    assert runs[True] == runs[False]
+    assert computed[False] == 8 * sum(len(p) for p in base + base[:2])
+    assert computed[True] < sum(map(len, base)) + 48 * 16

@@ -126,11 +126,15 @@ class BlockManager:
         self.num_queries += seq.num_cacheable_tokens // self.block_size
         self.num_hits += len(hits)
 
-    def commit_full_blocks(self, seq: Sequence):
-        """Publishes the hashes of blocks that became full, so later prompts can share them."""
+    def commit_full_blocks(self, seq: Sequence, num_scheduled: int = 0):
+        """Publishes the hashes of blocks that are full once the computed tokens and the
+        `num_scheduled` more of the step being scheduled are, so later prompts can share them,
+        even in the same step: a step writes every row's K/V before any row's attention reads
+        it (vLLM's parallel samples share their prompt so). A step that fails to launch takes
+        them back (retract_uncomputed)."""
         # tokens still on the device wait; called twice for every row of every step (at launch
         # and at finish), so the common case (no block newly full) returns before anything else
-        full = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        full = min(seq.num_computed_tokens + num_scheduled, len(seq.token_ids)) // self.block_size
         if full <= len(seq.block_hashes) or not self.enable_prefix_caching:
             return
         for i in range(len(seq.block_hashes), full):
@@ -140,6 +144,20 @@ class BlockManager:
             if not block.hash:
                 block.hash, block.token_ids = h, tuple(seq.block(i))
                 self.hash_to_block_id.setdefault(h, block.block_id)
+
+    def retract_uncomputed(self, seq: Sequence) -> set[int]:
+        """Takes back the hashes published for blocks past the computed tokens (a step that
+        failed to launch was to fill them); returns their ids."""
+        keep = min(seq.num_computed_tokens, len(seq.token_ids)) // self.block_size
+        retracted = set()
+        for i in range(keep, len(seq.block_hashes)):
+            block = self.blocks[seq.block_table[i]]
+            if self.hash_to_block_id.get(block.hash) == block.block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = NO_HASH, ()
+            retracted.add(block.block_id)
+        del seq.block_hashes[keep:]
+        return retracted
 
     def free(self, seq: Sequence):
         for bid in reversed(seq.block_table):

@@ -5,7 +5,7 @@ import logging
 
 from asynct.engine.outputs import CompletionOutput, RequestOutput
 from asynct.engine.scheduler import ScheduledBatch
-from asynct.engine.sequence import Request, Sequence
+from asynct.engine.sequence import Request, Sequence, SequenceStatus
 
 log = logging.getLogger("asynct")
 # marks the log record of one request's failure (its request id), which its RequestOutput.error
@@ -21,11 +21,12 @@ class RequestFailureMixin:
         """The batch raised while launching: finish the step in flight (its tokens become host
         tokens), then run each sequence alone, so that only the requests that raise alone fail."""
         outputs = {}
+        self.scheduler.retract(batch)
         if self.in_flight is not None:
             outputs.update((o.request_id, o) for o in self._finish(self.in_flight))
             self.in_flight = None
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.is_finished:
+            if seq.status != SequenceStatus.RUNNING:   # finished, or its hits retracted
                 continue
             try:
                 launched = self.runner.launch(ScheduledBatch.of([(seq, n)], self.scheduler.block_manager.tables))

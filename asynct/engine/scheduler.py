@@ -81,6 +81,8 @@ class Scheduler:
                     continue
                 self.block_manager.allocate(seq, n)
             picked.append((seq, n))
+            if n > 1:   # a prompt's chunk: a prompt admitted below may share its blocks
+                self.block_manager.commit_full_blocks(seq, n)
             budget -= n
         admitting = self._admitting()
         while admitting and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -117,6 +119,7 @@ class Scheduler:
         del self.waiting[seq]
         bm.record_prefix_query(seq, hits)
         bm.allocate(seq, n, hits)
+        bm.commit_full_blocks(seq, n)    # the n samples of a request, a repeated prompt: share them now
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return n
@@ -137,6 +140,16 @@ class Scheduler:
         self.waiting[seq] = None
         self.waiting.move_to_end(seq, last=False)
         self.num_preemptions += 1
+
+    def retract(self, batch: ScheduledBatch):
+        """`batch` failed to launch, so the blocks it published while scheduled hold no K/V:
+        their hashes are taken back, and the sequences that took them as hits wait again, to
+        find them once their owners (run alone) have computed them."""
+        bm = self.block_manager
+        retracted = set().union(*(bm.retract_uncomputed(s) for s in batch.seqs))
+        for seq in reversed(batch.seqs):    # each goes to the queue's front: kept in their order
+            if retracted.intersection(seq.block_table[:seq.num_computed_tokens // bm.block_size]):
+                self.preempt(seq)
 
     def finish(self, seq: Sequence, reason: str):
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -23,7 +23,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.table_row = -1               # its row of the block manager's HostBlockTables
-        self.block_hashes: list[bytes] = []   # chained hashes of the full blocks computed so far
+        self.block_hashes: list[bytes] = []   # chained hashes of its full blocks, published once scheduled
         self.num_computed_tokens = 0      # tokens whose K/V are in the cache (or queued to be)
         self.num_cached_tokens = 0        # tokens the prefix cache served at its first scheduling
         self.num_preemptions = 0
