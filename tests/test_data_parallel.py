@@ -150,18 +150,18 @@ def test_engines_seeds_follow_their_index():
 
 def test_a_prefix_goes_back_to_the_engine_that_cached_it(dp_llm):
     """Two contexts go to two engines; a later request on the second context (a question's next
-    choice in lm-eval's second wave) goes where that context's blocks are cached."""
+    choice in a later generate call) goes where that context's blocks are cached."""
     first, second = [7] * 40 + [1, 2], [9] * 40 + [3, 4]
     params = SamplingParams(temperature=0, max_tokens=1)
     dp_llm.generate([{"prompt_token_ids": p} for p in (first, second)], params, use_tqdm=False)
     again = dp_llm.generate([{"prompt_token_ids": second[:-2] + [5, 6]}], params, use_tqdm=False)[0]
     assert again.error is None and again.num_cached_tokens == 32
-    assert dp_llm.llm_engine.num_kv_blocks == 2 * ENGINE["num_kv_blocks"]   # what lm-eval sizes its waves by
+    assert dp_llm.llm_engine.num_kv_blocks == 2 * ENGINE["num_kv_blocks"]   # all engines', as LLMEngine's
 
 
 def test_a_questions_choices_follow_their_question_not_the_few_shot_prefix(dp_llm):
-    """lm-eval's waves on a few-shot task, with its parameters (the continuation's logprobs
-    only): five contexts share two blocks of examples; each context's first choice runs first
+    """A few-shot task's choices in two calls, with lm-eval's parameters (the continuation's
+    logprobs only): five contexts share two blocks of examples; each context's first choice runs first
     (E, A, D land on engine 0, B, C on engine 1), then the other choices of A-D. Each goes where
     its own question's block is cached, so every one takes all three blocks from the cache
     (grouped by the shared first block, some took only the two shared ones)."""

@@ -209,9 +209,10 @@ def test_rolling_windows_and_empty_context_match_reference():
 
 
 def test_choices_take_their_shared_context_from_the_prefix_cache(engine_lm, hf_lm):
-    """A question's choices, submitted side by side as lm-eval does: the first request of each
-    context computes it and the others take its full blocks from the prefix cache, scoring
-    exactly as the reference does."""
+    """A question's choices, submitted side by side as lm-eval does, in one run of the engine:
+    the first request of each context computes it and the others take its full blocks from the
+    prefix cache (in the same step: each computed the context whole before the engine shared
+    blocks from the step that computes them), scoring exactly as the reference does."""
     from lm_eval.api.instance import Instance
     questions = [f"Question: Tom has {a} apples and buys {b} more apples at the shop on the corner. "
                  f"How many apples does Tom have now?\nAnswer:" for a, b in ((3, 4), (12, 9), (5, 30))]
@@ -225,21 +226,11 @@ def test_choices_take_their_shared_context_from_the_prefix_cache(engine_lm, hf_l
         assert math.isclose(x, y, rel_tol=0, abs_tol=TOL) and gx == gy
 
 
-def test_context_waves_come_in_chunks_that_fit_the_cache():
-    """Each context's first request, then its others; contexts in chunks of at most `budget`
-    context tokens, chunk after chunk; a context of no full block never waits."""
-    from asynct.integrations.lm_eval_loglikelihood import _context_waves
-    a, b, c, short = [1] * 20, [2] * 20, [3] * 20, [4] * 5
-    inputs = [a + [9], a + [8], b + [9], short + [9], short + [8], c + [9], b + [8], c + [8], a + [7]]
-    ctxlens = [20, 20, 20, 5, 5, 20, 20, 20, 20]
-    assert _context_waves(inputs, ctxlens, 16, budget=45) == [[0, 2, 3, 4], [1, 6, 8], [5], [7]]
-    assert _context_waves(inputs, ctxlens, 16, budget=10**6) == [[0, 2, 3, 4, 5], [1, 6, 7, 8]]
-
-
 def test_choices_hit_the_cache_when_their_contexts_outgrow_it(hf_lm):
-    """Twelve questions' contexts fill the KV cache three times over: chunked waves keep each
-    chunk's contexts cached until their other choices come (one wave of all twelve first evicted
-    the early ones), with scores as the reference's."""
+    """Twelve questions' contexts fill the KV cache three times over: each question's choices,
+    side by side, still share its context (an early version ran every context's first choice
+    first, which evicted the early contexts before their other choices came), with scores as
+    the reference's."""
     from lm_eval.api.instance import Instance
     questions = [f"Question: Tom has {a} apples and buys {a + 7} more apples at the shop on the corner. "
                  f"How many apples does Tom have now?\nAnswer:" for a in range(10, 22)]

@@ -188,7 +188,7 @@ class DataParallelEngine:
         if self.dead[k] is not None:
             return
         self.dead[k] = f"{self.clients[k].name} exited (code {code}) while running this request"
-        self.snapshots[k] = dead_snapshot(self.snapshots[k])   # lm-eval sizes its waves by num_kv_blocks
+        self.snapshots[k] = dead_snapshot(self.snapshots[k])   # num_kv_blocks: the live engines' only
         log.error("%s exited (code %s); its requests fail, the other engines go on", self.clients[k].name, code)
         for rid in [rid for rid, r in self.requests.items() if r.engine == k]:
             self._fail(rid, self.dead[k])

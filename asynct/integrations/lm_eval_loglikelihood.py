@@ -1,6 +1,7 @@
 """lm-eval's loglikelihood requests for `AsyncTLM`: each (context, continuation) scored by one
-prefill, in waves that let a shared context (a question's choices) come from the prefix cache,
-and `loglikelihood_rolling`'s windows scored the same way.
+prefill, all in one run of the engine: a question's choices, side by side, take their shared
+context from the prefix cache (the engine shares a prompt's blocks from the step that computes
+them on), and `loglikelihood_rolling`'s windows scored the same way.
 
 A window is max_length + 1 tokens, as lm-eval's hf backend scores it: the model reads all but the
 last (max_length, up to the whole context), the prompt logprobs score the continuation's tokens
@@ -39,15 +40,7 @@ class LoglikelihoodMixin:
         logprob and rank, no top-k lists)."""
         params = [SamplingParams(temperature=0.0, max_tokens=1, allowed_token_ids=ids[-1:], logprobs=0,
                                  prompt_logprobs=0, prompt_logprobs_start=n) for ids, n in zip(inputs, ctxlens)]
-        outs = [None] * len(inputs)
-        engine = self.llm.llm_engine
-        budget = engine.num_kv_blocks * engine.args.block_size // 2
-        for wave in _context_waves(inputs, ctxlens, engine.args.block_size, budget):
-            done = self._generate([{"prompt_token_ids": inputs[i][:-1]} for i in wave], [params[i] for i in wave],
-                                  disable_tqdm)
-            for i, out in zip(wave, done):
-                outs[i] = out
-        return outs
+        return self._generate([{"prompt_token_ids": ids[:-1]} for ids in inputs], params, disable_tqdm)
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
@@ -64,28 +57,6 @@ class LoglikelihoodMixin:
         for r, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", r.args, total)
         return totals
-
-
-def _context_waves(inputs, ctxlens, block_size, budget) -> list[list[int]]:
-    """Request indices in waves: each context's first request, then the rest. The prefix cache
-    serves only what earlier steps computed, and a step admits many requests at once: a
-    question's choices submitted together would each compute the shared context. A context of
-    no full block before its last token (which the cache cannot serve) never waits. Contexts go
-    in chunks of at most `budget` context tokens (a share of the KV cache), each chunk's two
-    waves before the next chunk's: a first wave larger than the cache would evict its first
-    contexts before their second wave came for them."""
-    chunk_of, sizes, waves = {}, [], []
-    for i, (ids, n) in enumerate(zip(inputs, ctxlens)):
-        key = tuple(ids[:n])
-        later = key in chunk_of
-        if not later:
-            if not sizes or sizes[-1] + n > budget:
-                sizes.append(0)
-                waves.append(([], []))
-            chunk_of[key] = len(sizes) - 1
-            sizes[-1] += n
-        waves[chunk_of[key]][n > block_size and later].append(i)
-    return [wave for chunk in waves for wave in chunk if wave]
 
 
 def _continuation_logprob(ids, logprobs, n_ctx) -> tuple[float, bool]:
