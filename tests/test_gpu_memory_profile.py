@@ -36,7 +36,7 @@ def test_the_dummy_sampling_takes_every_costly_path_and_leaves_the_runner_as_it_
     counts, last = runner.penalty_counts, runner.last_sampled
     kept = counts.counts.clone(), counts.in_prompt.clone(), list(counts.counted), len(counts.owner)
     calls = {}
-    for module, name in ((penalties, "apply_penalties"), (sampler, "_filter_top_k_top_p_min_p"),
+    for module, name in ((penalties, "apply_penalties"), (sampler, "_filter_threshold"),
                          (step_output, "token_logprobs")):
         spy_on(monkeypatch, calls, module, name)
     hidden = torch.randn(20, runner.config.hidden_size)
@@ -45,8 +45,8 @@ def test_the_dummy_sampling_takes_every_costly_path_and_leaves_the_runner_as_it_
     assert sampled.shape == (12,) and 0 <= sampled.min() and sampled.max() < vocab
     (logits, _, _, in_prompt, *_), _ = calls["apply_penalties"]
     assert logits.shape == (12, vocab) and in_prompt is not None
-    _, filtered = calls["_filter_top_k_top_p_min_p"]
-    assert filtered.shape == (12, vocab) and filtered.isneginf().any(-1).all()
+    (logits, _, _), threshold = calls["_filter_threshold"]
+    assert threshold.shape == (12,) and (logits < threshold[:, None]).any(-1).all()
     (logprobs, _, num_top), _ = calls["token_logprobs"]
     assert logprobs.shape == (12, vocab) and logprobs.isfinite().all() and num_top == 20
     assert runner.penalty_counts is counts and runner.last_sampled is last

@@ -215,6 +215,8 @@ def test_nothing_compiles_after_start_up(gqa_ckpt, eager, monkeypatch):
                                  repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.25)
         llm.generate([{"prompt_token_ids": list(range(1, n))} for n in (2, 17, 26, 300, 1500)], sampled,
                      use_tqdm=False)
+        # no adjustment, rows enough for the sampling filters' kernel: on the model dtype's logits
+        llm.generate([[1, 2, 3]] * 40, SamplingParams(temperature=0.7, top_p=0.8, max_tokens=3), use_tqdm=False)
     del llm     # before the assert: a failure's traceback would keep the engine's memory
     assert counter.compiles == [], counter.compiles
 

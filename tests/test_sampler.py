@@ -42,12 +42,55 @@ def test_top_k_keeps_the_tokens_tied_with_its_kth():
 def test_top_p_of_one_keeps_a_long_tail_beside_a_filtered_row():
     """A row with top_p=1 is filtered when another row of the batch is: where the top token's
     probability rounds to 1, the mass before the tail read as 1 >= top_p and dropped it."""
-    from asynct.engine.sampler import _filter_top_k_top_p_min_p
+    from asynct.engine.sampler import _filter_threshold
     logits = torch.tensor([[0.0, -20.0, -20.0], [0.0, -1.0, -2.0]])
     seqs = [Sequence(i, str(i), 0, [0], SamplingParams(temperature=1.0, top_p=p), 16) for i, p in enumerate((1.0, 0.5))]
-    out = _filter_top_k_top_p_min_p(logits, seqs)
-    assert torch.equal(out[0], logits[0])
-    assert out[1].isinf().tolist() == [False, True, True]
+    kept = logits >= _filter_threshold(logits, seqs, torch.ones(2))[:, None]
+    assert kept.tolist() == [[True, True, True], [True, False, False]]
+
+
+def test_top_p_keeps_the_tokens_tied_at_its_edge():
+    """The nucleus ends at a logit, and every token tied with it stays (as top-k keeps its
+    k-th's ties): a sort's cut kept whichever of the tied tokens it put first."""
+    assert draws([0.4, 0.2, 0.2, 0.2], top_p=0.5) == {0, 1, 2, 3}
+    assert draws([0.4, 0.3, 0.2, 0.1], top_p=0.5) == {0, 1}
+
+
+FILTERS = [  # (top_k, top_p, min_p, 1 / temperature) a row; k past the vocabulary: off
+    (10**6, 0.9, 0.0, 1.0), (5, 1.0, 0.1, 2.0), (1, 0.5, 0.0, 0.5), (50, 0.95, 0.0, 1.0),
+    (10**6, 1.0, 0.05, 1.3), (3, 0.3, 0.2, 0.7), (10**6, 0.01, 0.0, 0.02), (400, 0.999, 0.0, 4.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [700, 2 * 2048 + 3])
+def test_the_filter_threshold_kernel_equals_its_sorting_reference(dtype, vocab):
+    """The Triton kernel's bisection of the logits' keys (interpreted on a CPU, compiled on a
+    GPU) against the sort: the same logits kept (but where rounding moves top-p's edge), over
+    rows with ties, -inf logits (banned tokens), every filter alone and together, and
+    vocabularies past one tile."""
+    from asynct.ops.sampling_filters import filter_threshold_ref, filter_threshold_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(len(FILTERS), vocab, generator=g) * 3
+    x[1] = (x[1] * 2).round() / 2
+    x[5] = (x[5] * 4).round() / 4
+    x[2, ::7] = float("-inf")
+    x = x.to(dtype).to(dev)
+    k, p, mp, inv = (torch.tensor(c, device=dev) for c in zip(*FILTERS))
+    args = (x, inv.float(), k.clamp(max=vocab).int(), p.float(), mp.float())
+    want, got = filter_threshold_ref(*args), filter_threshold_triton(*args)
+    assert ((x >= want[:, None]).sum(-1) < vocab).all()      # every row filters something
+    floor = filter_threshold_ref(x, inv.float(), args[2], torch.ones_like(p).float(), mp.float())
+    for r in torch.nonzero(((x >= got[:, None]) != (x >= want[:, None])).any(-1)).flatten().tolist():
+        # a GPU's exp and order of sums may move the nucleus' edge by rounding (and min-p's
+        # threshold, never a logit's own value, by a bit): the kernel's threshold must still be
+        # a logit whose nucleus holds to 1e-5 of the kept mass
+        assert p[r] < 1 and (x[r] == got[r]).any(), (r, got[r], want[r])
+        xr = x[r].float()
+        w = torch.exp((xr - xr.max()) * inv[r]).masked_fill(xr < floor[r], 0)
+        target, at, above = p[r] * w.sum(), w[xr >= got[r]].sum(), w[xr > got[r]].sum()
+        assert at >= target * (1 - 1e-5) and above < target * (1 + 1e-5), (r, at / target, above / target)
 
 
 # ---- penalties, logit_bias, allowed_token_ids ------------------------------------------------

@@ -13,6 +13,7 @@ from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
 from asynct.engine.sampling_profile import sample_dummy_rows
 from asynct.ops.argmax import warmup_argmax
+from asynct.ops.sampling_filters import warmup_filter_threshold
 from asynct.ops.penalties import warmup_penalties
 
 log = logging.getLogger("asynct")
@@ -109,7 +110,8 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: the attention variants no
         forward reaches (first: in the compile pass, the longest compiles start first), forwards
-        of warmup_token_counts, small decode steps, the penalties' and the argmax's kernels."""
+        of warmup_token_counts, small decode steps, the penalties', the argmax's and the sampling
+        filters' kernels."""
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         for n in warmup_token_counts():
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -123,6 +125,7 @@ class RunnerStartup:
                           torch.zeros(n, dtype=torch.long, device=self.device), self.builder.build(step))
         warmup_penalties(self.config.vocab_size, self.device)
         warmup_argmax(self.config.vocab_size, self.dtype, self.device)
+        warmup_filter_threshold(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()

@@ -7,31 +7,21 @@ import torch
 from asynct.attention.base import host_to_device
 from asynct.engine.penalties import adjust_logits
 from asynct.engine.sequence import Sequence
+from asynct.ops.sampling_filters import filter_threshold
 
 
-def _filter_top_k_top_p_min_p(logits, seqs):
-    """Masks, per row, tokens outside top-k, outside the top-p nucleus, or under min-p."""
-    top_k = [min(s.params.top_k or logits.shape[1], logits.shape[1]) for s in seqs]
+def _filter_threshold(logits, seqs, temps):
+    """Per row, the logit that top-k, min-p and top-p keep the logits at or above
+    (asynct.ops.sampling_filters, without a sort on CUDA); None where no row filters."""
+    vocab = logits.shape[1]
+    top_k = [min(s.params.top_k or vocab, vocab) for s in seqs]
     top_p = [s.params.top_p for s in seqs]
     min_p = [s.params.min_p for s in seqs]
-    if all(k >= logits.shape[1] for k in top_k) and all(p >= 1 for p in top_p) and not any(min_p):
-        return logits
+    if all(k >= vocab for k in top_k) and all(p >= 1 for p in top_p) and not any(min_p):
+        return None
     dev = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    # as vLLM: below the k-th largest logit, so that tokens tied with it stay (a rank cut kept
-    # some of them, whichever the sort put first)
-    kth = sorted_logits.gather(1, host_to_device(top_k, torch.long, dev)[:, None] - 1)
-    drop = sorted_logits < kth
-    probs = sorted_logits.softmax(-1)
-    drop |= probs < host_to_device(min_p, probs.dtype, dev)[:, None] * probs[:, :1]
-    # as vLLM: the nucleus is taken from what top-k and min-p leave, renormalised
-    kept = probs.masked_fill(drop, 0)
-    before = (kept.cumsum(-1) - kept) / kept.sum(-1, keepdim=True)   # mass strictly before each token
-    top_p = host_to_device(top_p, probs.dtype, dev)[:, None]
-    drop |= (before >= top_p) & (top_p < 1)   # rounding takes `before` to 1 in a long tail
-    drop[:, 0] = False                                         # the top token always stays
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return filter_threshold(logits, 1 / temps, host_to_device(top_k, torch.int32, dev),
+                            host_to_device(top_p, torch.float32, dev), host_to_device(min_p, torch.float32, dev))
 
 
 def _exponential_noise(probs, seqs):
@@ -98,9 +88,11 @@ def _draw(logits, seqs):
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         return logits.argmax(-1)
-    logits = logits.float()
     temps = host_to_device([s.params.temperature or 1.0 for s in seqs], torch.float32, logits.device)
-    scaled = _filter_top_k_top_p_min_p(logits / temps[:, None], seqs)
+    scaled = logits.float() / temps[:, None]
+    threshold = _filter_threshold(logits, seqs, temps)
+    if threshold is not None:
+        scaled = scaled.masked_fill(logits < threshold[:, None], float("-inf"))
     probs = scaled.softmax(-1)
     sampled = (probs / _exponential_noise(probs, seqs)).argmax(-1)
     if any(greedy):
