@@ -10,6 +10,7 @@ from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.sequence import Sequence
+from asynct.ops.sampling_filters import KERNEL_MIN_ROWS
 
 
 def costliest_params(vocab_size: int) -> SamplingParams:
@@ -24,6 +25,13 @@ def dummy_sequences(n: int, vocab_size: int, block_size: int) -> list[Sequence]:
     """n sequences with a one-token prompt each, which a one-token step completes: all sample."""
     params = costliest_params(vocab_size)
     return [Sequence(i, "memory-profile", i, [i % vocab_size], params, block_size) for i in range(n)]
+
+
+def profiled_row_counts(max_rows: int) -> list[int]:
+    """The row counts the profile samples: the most a step gives, and below the sampling
+    filters' kernel (KERNEL_MIN_ROWS) the most that sort their rows, whose buffers can outweigh
+    the kernel's at a few rows more (31 sorted rows ~1.7x 32 filtered by the kernel)."""
+    return sorted({max_rows, min(max_rows, KERNEL_MIN_ROWS - 1)}, reverse=True)
 
 
 def sample_dummy_rows(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:
