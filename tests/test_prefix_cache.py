@@ -177,3 +177,36 @@ def test_samples_sharing_their_prompt_in_one_step_on_gpu(tiny_ckpt, enforce_eage
     assert runs[True] == runs[False]
     assert computed[False] == 8 * sum(len(p) for p in base + base[:2])
     assert computed[True] < sum(map(len, base)) + 48 * 16
+
+
+def test_a_step_that_failed_to_launch_leaves_no_garbage_for_padded_keys(tiny_ckpt, monkeypatch):
+    """The torch backend pads a bucket's shorter rows with cache slot 0 (block 0's first), and
+    weighed them by zero: zero times NaN is NaN. The KV cache is torch.empty, and a first step
+    that fails to launch leaves block 0 unwritten, then unused while blocks never taken come
+    first: every later padded step read its garbage, and rows came out as token 0 (a NaN-filled
+    cache makes the garbage sure). The other requests equal an engine's that never failed."""
+    from asynct import LLM
+    prompts = [{"prompt_token_ids": PROMPT[:5]}, {"prompt_token_ids": PROMPT[:13]}]   # padded bucket
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    kw = dict(block_size=4, num_kv_blocks=200, device="cpu", attention_backend="torch")
+    want = LLM(tiny_ckpt, **kw).generate(prompts, greedy, use_tqdm=False)
+    llm = LLM(tiny_ckpt, **kw)
+    llm.llm_engine.runner.kv_cache.fill_(float("nan"))
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def failing(batch):
+        if any(s.params.seed == -17 for s in batch.seqs):
+            raise RuntimeError("injected launch failure")
+        return launch(batch)
+    monkeypatch.setattr(runner, "launch", failing)
+    bad = SamplingParams(temperature=0, max_tokens=2, seed=-17)
+    assert "injected" in llm.generate([{"prompt_token_ids": PROMPT}], bad, use_tqdm=False)[0].error
+    got = llm.generate(prompts, greedy, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        lps = [d[t].logprob for d, t in zip(g.outputs[0].logprobs, g.outputs[0].token_ids)]
+        assert lps == pytest.approx([d[t].logprob for d, t in zip(w.outputs[0].logprobs, w.outputs[0].token_ids)],
+                                    abs=1e-5)
+    bm = llm.llm_engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

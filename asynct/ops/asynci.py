@@ -46,5 +46,9 @@ def asynci_attention(q, k, v, sigma, scale, pool_size=3, relu_pre=True, key_mask
     valid = torch.arange(tk, device=q.device).view(1, 1, 1, -1) <= rows
     if key_mask is not None:
         valid = valid & key_mask.bool().view(-1, 1, 1, tk)
+        # a padding key's value may be anything: the torch backend gathers cache slot 0 for it,
+        # which need not hold K/V (the cache is torch.empty; a step that failed to launch left
+        # its block unwritten), and a zero weight times NaN is NaN
+        v = v.masked_fill(~key_mask.bool().view(-1, 1, tk, 1), 0.0)
     a = asynci_gate(s, valid, sigma, pool_size, relu_pre)
     return torch.matmul(a.to(v.dtype), v)
