@@ -129,6 +129,22 @@ def test_a_request_s_samples_share_its_prompt_in_their_first_step(tiny_ckpt, bac
             assert lps == pytest.approx(want_lps, abs=1e-5)
 
 
+FAILING = -17   # the seed that marks a request whose every launch raises (fail_launches)
+
+
+def fail_launches(monkeypatch, llm):
+    """Every launch of a batch holding a FAILING-seeded sequence raises, as a bad value that
+    escaped validation would: the engine then runs the batch's sequences one by one."""
+    runner = llm.llm_engine.runner
+    launch = runner.launch
+
+    def failing(batch):
+        if any(s.params.seed == FAILING for s in batch.seqs):
+            raise RuntimeError("injected launch failure")
+        return launch(batch)
+    monkeypatch.setattr(runner, "launch", failing)
+
+
 def test_a_step_that_fails_to_launch_takes_back_the_blocks_it_was_to_fill(tiny_ckpt, monkeypatch):
     """A request that makes its step's launch raise shares that step with one repeating its
     prompt, which took the blocks the failing one published while scheduled. Those hold no
@@ -140,15 +156,8 @@ def test_a_step_that_fails_to_launch_takes_back_the_blocks_it_was_to_fill(tiny_c
     prompt = {"prompt_token_ids": PROMPT}
     want = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
     llm = LLM(tiny_ckpt, block_size=4, num_kv_blocks=200, device="cpu")
-    runner = llm.llm_engine.runner
-    launch = runner.launch
-
-    def failing(batch):
-        if any(s.params.seed == -17 for s in batch.seqs):
-            raise RuntimeError("injected launch failure")
-        return launch(batch)
-    monkeypatch.setattr(runner, "launch", failing)
-    bad = SamplingParams(temperature=0, max_tokens=6, seed=-17)
+    fail_launches(monkeypatch, llm)
+    bad = SamplingParams(temperature=0, max_tokens=6, seed=FAILING)
     outs = llm.generate([prompt, prompt], [bad, greedy], use_tqdm=False)
     assert "injected launch failure" in outs[0].error
     assert outs[1].error is None and outs[1].outputs[0].token_ids == want
@@ -192,15 +201,8 @@ def test_a_step_that_failed_to_launch_leaves_no_garbage_for_padded_keys(tiny_ckp
     want = LLM(tiny_ckpt, **kw).generate(prompts, greedy, use_tqdm=False)
     llm = LLM(tiny_ckpt, **kw)
     llm.llm_engine.runner.kv_cache.fill_(float("nan"))
-    runner = llm.llm_engine.runner
-    launch = runner.launch
-
-    def failing(batch):
-        if any(s.params.seed == -17 for s in batch.seqs):
-            raise RuntimeError("injected launch failure")
-        return launch(batch)
-    monkeypatch.setattr(runner, "launch", failing)
-    bad = SamplingParams(temperature=0, max_tokens=2, seed=-17)
+    fail_launches(monkeypatch, llm)
+    bad = SamplingParams(temperature=0, max_tokens=2, seed=FAILING)
     assert "injected" in llm.generate([{"prompt_token_ids": PROMPT}], bad, use_tqdm=False)[0].error
     got = llm.generate(prompts, greedy, use_tqdm=False)
     for g, w in zip(got, want):

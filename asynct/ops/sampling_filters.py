@@ -62,6 +62,13 @@ def _value(key, SHIFT: tl.constexpr):
 
 
 @_jit
+def _tile(row_ptr, start, cols, V: tl.constexpr):
+    """The row's logits [start, start + BLOCK) in fp32 (-inf past the vocabulary), and which are in it."""
+    valid = start + cols < V
+    return tl.load(row_ptr + start + cols, mask=valid, other=float("-inf")).to(tl.float32), valid
+
+
+@_jit
 def _largest_key(row_ptr, m, inv_t, floor, target, V: tl.constexpr, MASS: tl.constexpr, SHIFT: tl.constexpr,
                  PASSES: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, LO: tl.constexpr,
                  HI: tl.constexpr):
@@ -79,8 +86,7 @@ def _largest_key(row_ptr, m, inv_t, floor, target, V: tl.constexpr, MASS: tl.con
         p32 = tl.minimum(piv, hi).to(tl.int32)
         acc = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
-            x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
-            valid = start + cols < V
+            x, valid = _tile(row_ptr, start, cols, V)
             if MASS:
                 w = tl.where(valid & (x >= floor), tl.exp((x - m) * inv_t), 0.0)
             else:
@@ -107,7 +113,7 @@ def _threshold_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, out_ptr, V: 
     cols = tl.arange(0, BLOCK)
     top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     for start in range(0, V, BLOCK):
-        x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+        x, _ = _tile(row_ptr, start, cols, V)
         top = tl.maximum(top, x)
     m = tl.max(top)
     inv_t, k = tl.load(inv_t_ptr + row), tl.load(k_ptr + row)
@@ -122,7 +128,7 @@ def _threshold_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, out_ptr, V: 
     if top_p < 1:
         kept = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, V, BLOCK):
-            x = tl.load(row_ptr + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32)
+            x, _ = _tile(row_ptr, start, cols, V)
             kept += tl.where(x >= tau, tl.exp((x - m) * inv_t), 0.0)
         target = top_p * tl.sum(kept)
         t = _largest_key(row_ptr, m, inv_t, tau, target, V, True, SHIFT, PASSES, BLOCK, PIVOTS, LO, HI)
