@@ -31,10 +31,13 @@ def test_a_launcher_that_cannot_be_built_early_is_left_for_the_first_launch():
 
 
 def forget_compiled_kernels():
-    """Empties every asynct kernel's in-process cache (the disk cache stays, so they reload fast):
-    variants other tests of this process compiled would hide one the engine's warm-up forgot."""
+    """Empties every asynct kernel's in-process cache (the disk cache stays, so they reload fast)
+    and the eager ops' kept launches, which hold compiled kernels: variants other tests of this
+    process compiled would hide one the engine's warm-up forgot."""
     import sys
     from triton.runtime.jit import JITFunction
+    from asynct.ops import _triton
+    _triton._cached_launches.clear()
     for name, module in list(sys.modules.items()):
         if name.startswith("asynct."):
             for obj in vars(module).values():

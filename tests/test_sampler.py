@@ -62,26 +62,30 @@ FILTERS = [  # (top_k, top_p, min_p, 1 / temperature) a row; k past the vocabula
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("vocab", [700, 2 * 2048 + 3])
-def test_the_filter_threshold_kernel_equals_its_sorting_reference(dtype, vocab):
-    """The Triton kernel's bisection of the logits' keys (interpreted on a CPU, compiled on a
-    GPU) against the sort: the same logits kept (but where rounding moves top-p's edge), over
-    rows with ties, -inf logits (banned tokens), every filter alone and together, and
-    vocabularies past one tile."""
-    from asynct.ops.sampling_filters import filter_threshold_ref, filter_threshold_triton
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+def filter_rows(vocab, dtype, dev):
+    """Logits of the FILTERS rows, with ties and -inf logits (banned tokens), and their settings."""
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(len(FILTERS), vocab, generator=g) * 3
     x[1] = (x[1] * 2).round() / 2
     x[5] = (x[5] * 4).round() / 4
     x[2, ::7] = float("-inf")
-    x = x.to(dtype).to(dev)
     k, p, mp, inv = (torch.tensor(c, device=dev) for c in zip(*FILTERS))
-    args = (x, inv.float(), k.clamp(max=vocab).int(), p.float(), mp.float())
-    want, got = filter_threshold_ref(*args), filter_threshold_triton(*args)
+    return x.to(dtype).to(dev), inv.float(), k.clamp(max=vocab).int(), p.float(), mp.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab, per_program", [(700, None), (2 * 4096 + 5, 2)])
+def test_the_filter_threshold_kernel_equals_its_sorting_reference(dtype, vocab, per_program):
+    """The Triton kernel's bisection of the logits' keys (interpreted on a CPU, compiled on a
+    GPU) against the sort: the same logits kept (but where rounding moves top-p's edge), over
+    rows with ties, -inf logits, every filter alone and together, and rows of several chunks
+    (three, two to a program: the last program sums one)."""
+    from asynct.ops.sampling_filters import filter_threshold_ref, filter_threshold_triton
+    args = filter_rows(vocab, dtype, "cuda" if torch.cuda.is_available() else "cpu")
+    x, inv, k, p, mp = args
+    want, got = filter_threshold_ref(*args), filter_threshold_triton(*args, per_program=per_program)
     assert ((x >= want[:, None]).sum(-1) < vocab).all()      # every row filters something
-    floor = filter_threshold_ref(x, inv.float(), args[2], torch.ones_like(p).float(), mp.float())
+    floor = filter_threshold_ref(x, inv, k, torch.ones_like(p), mp)
     for r in torch.nonzero(((x >= got[:, None]) != (x >= want[:, None])).any(-1)).flatten().tolist():
         # a GPU's exp and order of sums may move the nucleus' edge by rounding (and min-p's
         # threshold, never a logit's own value, by a bit): the kernel's threshold must still be
@@ -91,6 +95,62 @@ def test_the_filter_threshold_kernel_equals_its_sorting_reference(dtype, vocab):
         w = torch.exp((xr - xr.max()) * inv[r]).masked_fill(xr < floor[r], 0)
         target, at, above = p[r] * w.sum(), w[xr >= got[r]].sum(), w[xr > got[r]].sum()
         assert at >= target * (1 - 1e-5) and above < target * (1 + 1e-5), (r, at / target, above / target)
+
+
+@pytest.mark.parametrize("use_top_k, use_top_p", [(False, True), (True, False), (False, False)])
+def test_the_filter_threshold_kernel_skips_a_bisection_no_row_needs(use_top_k, use_top_p):
+    """Where no row sets top-k (or top-p) the kernel's launches skip its bisection: the
+    thresholds stay the reference's, of rows whose other filters are on."""
+    from asynct.ops.sampling_filters import filter_threshold_ref, filter_threshold_triton
+    x, inv, k, p, mp = filter_rows(700, torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
+    k = k if use_top_k else torch.full_like(k, 700)
+    p = p if use_top_p else torch.ones_like(p)
+    want = filter_threshold_ref(x, inv, k, p, mp)
+    got = filter_threshold_triton(x, inv, k, p, mp, use_top_k=use_top_k, use_top_p=use_top_p)
+    assert torch.equal(x >= want[:, None], x >= got[:, None])
+
+
+def test_philox_matches_its_published_answer():
+    """Random123's known answer for Philox 4x32-10, zero key and counter (the torch reference
+    that CPUs draw with and the kernel is checked against)."""
+    from asynct.ops.sampling_draw import philox_ref
+    zero = torch.zeros(1, 1, dtype=torch.int64)
+    assert [o.item() for o in philox_ref(zero, zero)] == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [517, 2 * 8192 + 77])
+def test_the_draw_kernel_equals_its_reference(dtype, vocab):
+    """The Triton draw (interpreted on a CPU, compiled on a GPU) against the torch reference, the
+    same Philox noise: greedy rows (first index of the largest, a NaN first), thresholds, keys
+    past 2**63 and counters with a high word, rows of one chunk and of three."""
+    from asynct.ops.sampling_draw import draw_ref, draw_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g) * 3
+    x[1, 3] = x[1, 400] = x[1].max() + 1       # greedy: tied, the first wins
+    x[2, 10] = float("nan")
+    x[3, ::5] = float("-inf")
+    x = x.to(dtype).to(dev)
+    inv = torch.tensor([1.0, 0.0, 0.0, 2.0, 0.7, 0.05], device=dev)
+    tau = torch.tensor([float("-inf"), 0.0, 0.0, 2.0, 4.0, -1.0], device=dev)
+    keys = torch.tensor([[1, 2, -5, 2**62, -2**63, 7], [0, 1 << 32, 7, (3 << 32) + 5, 9, 2**40]], device=dev)
+    for threshold in (None, tau):
+        want, got = draw_ref(x, inv, threshold, keys), draw_triton(x, inv, threshold, keys)
+        assert got.tolist() == want.tolist() and got[1] == 3 and got[2] == 10
+
+
+def test_draws_follow_the_kept_softmax():
+    """Over 40,000 counters the reference's draws (what a CPU samples with) fall on each kept token as
+    often as softmax(x / T) over the kept tokens says, and never on a dropped one."""
+    from asynct.ops.sampling_draw import draw_ref
+    x = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 3.0])
+    n = 40_000
+    keys = torch.stack([torch.full((n,), 12345), torch.arange(n) << 32])
+    got = draw_ref(x.expand(n, -1), torch.full((n,), 1 / 0.8), torch.full((n,), 0.5), keys)
+    counts = torch.bincount(got, minlength=6).float() / n
+    want = torch.where(x >= 0.5, x / 0.8, float("-inf")).softmax(-1)
+    assert counts[3:5].sum() == 0 and (counts - want).abs().max() < 4 * (want * (1 - want) / n).sqrt().max()
 
 
 # ---- penalties, logit_bias, allowed_token_ids ------------------------------------------------

@@ -11,8 +11,9 @@ from asynct import ops
 from asynct.attention import StepInputs
 from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
-from asynct.engine.sampling_profile import profiled_row_counts, sample_dummy_rows
+from asynct.engine.sampling_profile import sample_dummy_rows
 from asynct.ops.argmax import warmup_argmax
+from asynct.ops.sampling_draw import warmup_draw
 from asynct.ops.sampling_filters import warmup_filter_threshold
 from asynct.ops.penalties import warmup_penalties
 
@@ -110,8 +111,8 @@ class RunnerStartup:
     def _warmup(self):
         """Every kernel compiles now, not in the middle of serving: the attention variants no
         forward reaches (first: in the compile pass, the longest compiles start first), forwards
-        of warmup_token_counts, small decode steps, the penalties', the argmax's and the sampling
-        filters' kernels."""
+        of warmup_token_counts, small decode steps, the penalties', the argmax's, the sampling
+        filters' and the draw's kernels."""
         self.backend.warmup(self.model.layers[0].attn.impl, self.kv_cache[0], self.dtype)
         for n in warmup_token_counts():
             n = min(n, self.num_kv_blocks * self.block_size)
@@ -126,6 +127,7 @@ class RunnerStartup:
         warmup_penalties(self.config.vocab_size, self.device)
         warmup_argmax(self.config.vocab_size, self.dtype, self.device)
         warmup_filter_threshold(self.config.vocab_size, self.dtype, self.device)
+        warmup_draw(self.config.vocab_size, self.dtype, self.device)
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
@@ -174,8 +176,7 @@ class RunnerStartup:
         hidden = self._forward(torch.zeros(len(positions), dtype=torch.long, device=self.device),
                                torch.tensor(positions, device=self.device), self.builder.build(step))
         forward = torch.cuda.max_memory_allocated(self.device) - base
-        for rows in profiled_row_counts(min(self.max_num_seqs, self.max_num_batched_tokens)):
-            sample_dummy_rows(self, hidden, rows)
+        sample_dummy_rows(self, hidden, min(self.max_num_seqs, self.max_num_batched_tokens))
         sampling = torch.cuda.max_memory_allocated(self.device) - base   # counts made in it
         del hidden      # before the cache is emptied: its block would stay reserved, counted as used
         self._release_kv_cache()

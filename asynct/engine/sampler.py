@@ -1,38 +1,50 @@
 """Batched sampling with per-row parameters: greedy, temperature, top-k, top-p, min-p, seeds.
 
-Sampling uses the exponential race (argmax p / E with E ~ Exp(1)), so a seeded request draws
-its own noise row from its own generator and gets the same tokens in any batch."""
+A row draws the argmax of its kept logits / T plus Gumbel noise from a counter-based generator
+(asynct.ops.sampling_draw): a seeded sequence's noise is a function of its seed, its index in
+the request and its output position, so it gets the same tokens in any batch; the others share
+one key a step, drawn from torch's default generator (LLM(seed=...) seeds it)."""
 import torch
 
 from asynct.attention.base import host_to_device
 from asynct.engine.penalties import adjust_logits
 from asynct.engine.sequence import Sequence
+from asynct.ops.sampling_draw import draw
 from asynct.ops.sampling_filters import filter_threshold
 
 
-def _filter_threshold(logits, seqs, temps):
+def _filter_threshold(logits, seqs, inv_temps):
     """Per row, the logit that top-k, min-p and top-p keep the logits at or above
-    (asynct.ops.sampling_filters, without a sort on CUDA); None where no row filters."""
+    (asynct.ops.sampling_filters, without a sort on CUDA); None where no row filters. Greedy
+    rows filter nothing: their argmax stays whatever the filters."""
     vocab = logits.shape[1]
-    top_k = [min(s.params.top_k or vocab, vocab) for s in seqs]
-    top_p = [s.params.top_p for s in seqs]
-    min_p = [s.params.min_p for s in seqs]
-    if all(k >= vocab for k in top_k) and all(p >= 1 for p in top_p) and not any(min_p):
+    top_k = [vocab if s.params.greedy else min(s.params.top_k or vocab, vocab) for s in seqs]
+    top_p = [1.0 if s.params.greedy else s.params.top_p for s in seqs]
+    min_p = [0.0 if s.params.greedy else s.params.min_p for s in seqs]
+    use_top_k, use_top_p = any(k < vocab for k in top_k), any(p < 1 for p in top_p)
+    if not (use_top_k or use_top_p or any(min_p)):
         return None
     dev = logits.device
-    return filter_threshold(logits, 1 / temps, host_to_device(top_k, torch.int32, dev),
-                            host_to_device(top_p, torch.float32, dev), host_to_device(min_p, torch.float32, dev))
+    return filter_threshold(logits, inv_temps, host_to_device(top_k, torch.int32, dev),
+                            host_to_device(top_p, torch.float32, dev), host_to_device(min_p, torch.float32, dev),
+                            use_top_k, use_top_p)
 
 
-def _exponential_noise(probs, seqs):
-    noise = torch.empty_like(probs).exponential_()
+def _noise_keys(seqs, device) -> torch.Tensor:
+    """int64 [2, R]: each row's Philox key and counter. A seeded sequence's key comes from its
+    seed and index, its counter from its output position (the high 32 bits); the other rows
+    share a key drawn for the step, each its own counter."""
+    step_key = int(torch.empty((), dtype=torch.int64).random_())
+    keys, counters = [], []
     for i, s in enumerate(seqs):
-        if s.params.seed is not None:
-            if s.generator is None:
-                s.generator = torch.Generator(device=probs.device)
-                s.generator.manual_seed((s.params.seed + 7919 * s.index) % 2**64)   # wraps into 64 bits
-            noise[i].exponential_(generator=s.generator)
-    return noise
+        if s.params.seed is None:
+            keys.append(step_key)
+            counters.append(i << 32)
+        else:
+            key = (s.params.seed + 7919 * s.index) % 2**64      # wraps into 64 bits
+            keys.append(key - 2**64 if key >= 2**63 else key)
+            counters.append(s.num_sampled_tokens << 32)
+    return host_to_device([keys, counters], torch.int64, device)
 
 
 def eos_ids(eos_token_id) -> list[int]:
@@ -85,19 +97,11 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sa
 
 
 def _draw(logits, seqs):
-    greedy = [s.params.greedy for s in seqs]
-    if all(greedy):
+    if all(s.params.greedy for s in seqs):
         return logits.argmax(-1)
-    temps = host_to_device([s.params.temperature or 1.0 for s in seqs], torch.float32, logits.device)
-    scaled = logits.float() / temps[:, None]
-    threshold = _filter_threshold(logits, seqs, temps)
-    if threshold is not None:
-        scaled = scaled.masked_fill(logits < threshold[:, None], float("-inf"))
-    probs = scaled.softmax(-1)
-    sampled = (probs / _exponential_noise(probs, seqs)).argmax(-1)
-    if any(greedy):
-        sampled = torch.where(host_to_device(greedy, torch.bool, logits.device), logits.argmax(-1), sampled)
-    return sampled
+    inv_temps = host_to_device([0.0 if s.params.greedy else 1 / s.params.temperature for s in seqs], torch.float32,
+                               logits.device)
+    return draw(logits, inv_temps, _filter_threshold(logits, seqs, inv_temps), _noise_keys(seqs, logits.device))
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int):

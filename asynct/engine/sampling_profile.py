@@ -1,6 +1,6 @@
 """The sampling half of the start-up memory profile (RunnerStartup.profile_activation_memory).
 The sampler runs after the forward, on up to max_num_seqs rows of the whole vocabulary: at 256
-rows of a 152k vocabulary its fp32 copies, sort, noise, logprobs and penalty counts come to over
+rows of a 152k vocabulary its fp32 copies, filters, noise, logprobs and penalty counts come to over
 a gigabyte by their sizes, which a KV cache sized by the forward's peak alone left no room for
 (out of memory mid-run at a high gpu_memory_utilization). As vLLM's profile run, dummy sequences
 sample that many rows, each on the costliest path."""
@@ -10,12 +10,11 @@ from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.sequence import Sequence
-from asynct.ops.sampling_filters import KERNEL_MIN_ROWS
 
 
 def costliest_params(vocab_size: int) -> SamplingParams:
     """Every option that adds a pass over [rows, vocab]: the penalties (an fp32 copy, counts and
-    prompt marks), top-k / top-p / min-p (a sort), temperature (noise), the most logprobs."""
+    prompt marks), top-k / top-p / min-p (both bisections), temperature (noise), the most logprobs."""
     return SamplingParams(temperature=0.8, top_k=min(50, vocab_size), top_p=0.9, min_p=0.01,
                           repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5,
                           logprobs=min(MAX_LOGPROBS, vocab_size))
@@ -25,13 +24,6 @@ def dummy_sequences(n: int, vocab_size: int, block_size: int) -> list[Sequence]:
     """n sequences with a one-token prompt each, which a one-token step completes: all sample."""
     params = costliest_params(vocab_size)
     return [Sequence(i, "memory-profile", i, [i % vocab_size], params, block_size) for i in range(n)]
-
-
-def profiled_row_counts(max_rows: int) -> list[int]:
-    """The row counts the profile samples: the most a step gives, and below the sampling
-    filters' kernel (KERNEL_MIN_ROWS) the most that sort their rows, whose buffers can outweigh
-    the kernel's at a few rows more (31 sorted rows ~1.7x 32 filtered by the kernel)."""
-    return sorted({max_rows, min(max_rows, KERNEL_MIN_ROWS - 1)}, reverse=True)
 
 
 def sample_dummy_rows(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:

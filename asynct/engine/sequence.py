@@ -43,7 +43,6 @@ class Sequence:
         self.text = ""
         self.detok_prefix_offset = self.detok_read_offset = self.num_prompt_tokens
         self.detok_stream = None          # the tokenizer's incremental decoder, made on first use; False: failed
-        self.generator = None             # torch.Generator for seeded sampling, made on first use
         # logit_bias and allowed_token_ids on the device, sent on first use
         self.bias_device = self.allowed_ids_device = None
 

@@ -103,6 +103,20 @@ class KernelLaunch:
         self.runner, self.first, self.spec = (kernel[self.grid] if compiled else None), values, None
 
 
+_cached_launches: dict = {}
+
+
+def cached_launch(fn, grid, key=(), **options) -> KernelLaunch:
+    """`fn`'s KernelLaunch on `grid`, kept for every later call with the same `key`: an eager op
+    launched every step then goes straight to its compiled kernel. The key holds whatever
+    changes from call to call and would otherwise make a launch specialise unlike the last
+    (a dtype, an op code, a constexpr), so that calls of each kind keep their own."""
+    launch_key = (fn, tuple(grid), key)
+    if launch_key not in _cached_launches:
+        _cached_launches[launch_key] = KernelLaunch(fn, grid, **options)
+    return _cached_launches[launch_key]
+
+
 class _Specialisation:
     """How a launch's arguments specialised: each tensor's dtype and 16-byte alignment, every
     other argument's value, and every argument's type (so that no tensor is ever compared with a

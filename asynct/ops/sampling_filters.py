@@ -8,24 +8,39 @@ stay (a sort keeps whichever of them it put first).
 
 Sorting a 152k vocabulary's rows took 3.1 ms at 256 rows and the whole filter 6.6 (H100): a
 sampled decode step of 256 rows ran 2.65x a greedy one's time (benchmarks/RESULTS.md). The kernel
-finds each threshold without sorting: one program a row bisects the logits' order-preserving
-integer keys, 16 pivots a pass, each pass counting (top-k) or adding the probabilities (top-p)
-of the logits at or above every pivot. A bf16 logit's key has 16 bits: four passes a threshold.
-Steps of 256 rows with top-p then ran 1.75x faster, with min-p 2.05x. A program streams its row
-alone, ~0.55 ms a 152k row for top-p and ~1 ms with top-k too, where the sort's cost grows with
-the rows from ~0.3 ms at one: batch-1 steps ran 1.23-1.6x slower, so fewer rows than
-KERNEL_MIN_ROWS sort (a crossover extrapolated from 1 and 256 rows, not measured between)."""
+finds each threshold without sorting, by bisecting the logits' order-preserving integer keys, 16
+pivots a pass: each pass counts (top-k) or adds the probabilities (top-p) of the logits at or
+above every pivot. A bf16 logit's key has 16 bits: four passes a threshold.
+
+A pass is a launch: chunks of CHUNK logits are summed side by side, and every program of the next
+launch adds the row's chunk sums up (in one order, so all agree) before its own pass. One program
+streaming a whole row took ~0.55 ms for a top-p threshold of a 152k row, slower than a sort at
+one row; chunks spread a row over the SMs. The chunks are the same at any batch size, so a row's
+threshold, rounding included, does not depend on the rows beside it."""
 import torch
 
-from asynct.ops._triton import jit as _jit, tl, triton
+from asynct.ops._triton import cached_launch, cdiv, jit as _jit, next_power_of_2, tl, triton
+from asynct.ops.asynci_common import sm_count
 
 # logits a program reads a loop iteration: each pass keeps [PIVOTS, BLOCK] sums in registers and
-# reduces them once (a reduction a tile took ~0.45 ms a pass of a 152k row; H100)
+# reduces them once a chunk (a reduction a tile took ~0.45 ms a pass of a 152k row; H100)
 BLOCK = 1024
+CHUNK = 4 * BLOCK   # logits a partial sum covers
 PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
-KERNEL_MIN_ROWS = 32
+PROGRAMS_PER_SM = 4
+# a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
+# lo, hi), padded so that the second of each double buffer is 16-byte aligned at any row count:
+# pointers specialise on it, and a launch aligned unlike the warm-up's compiled mid-run
+PART, STATE = PIVOTS + 4, 8
 # low key bits that are zero for every value of the dtype (converted to fp32 exactly)
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
+# what a launch sums (the next launch reads its sums by it): NONE before the first, FINISH the last;
+# flags of a bisection's passes
+MAX, COUNT, MASS, FINISH = 0, 1, 2, 3
+NONE = FINISH
+FIRST, LAST = 4, 8
+if triton is not None:   # the kernel's copies: Triton reads only constexpr globals
+    _MAX, _COUNT, _MASS, _FINISH, _NONE, _FIRST, _LAST = map(tl.constexpr, (MAX, COUNT, MASS, FINISH, NONE, FIRST, LAST))
 
 
 def filter_threshold_ref(logits, inv_temps, top_k, top_p, min_p):
@@ -62,96 +77,171 @@ def _value(key, SHIFT: tl.constexpr):
 
 
 @_jit
-def _tile(row_ptr, start, cols, V: tl.constexpr):
-    """The row's logits [start, start + BLOCK) in fp32 (-inf past the vocabulary), and which are in it."""
-    valid = start + cols < V
-    return tl.load(row_ptr + start + cols, mask=valid, other=float("-inf")).to(tl.float32), valid
+def _pivots(lo, hi, PIVOTS: tl.constexpr):
+    """A pass's pivots, cutting [lo, hi] into PIVOTS parts (those past hi are not real)."""
+    piv = lo + ((hi - lo) // PIVOTS + 1) * (tl.arange(0, PIVOTS) + 1).to(tl.int64)
+    return piv, piv <= hi
 
 
 @_jit
-def _largest_key(row_ptr, m, inv_t, floor, target, V: tl.constexpr, MASS: tl.constexpr, SHIFT: tl.constexpr,
-                 PASSES: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, LO: tl.constexpr,
-                 HI: tl.constexpr):
-    """The largest key t whose logits at or above it count (or, MASS, whose probabilities at or
-    above `floor` add up) to at least `target`: always a logit's own key. Bisection keeps
-    F(lo) >= target > F(hi + 1); each pass cuts [lo, hi] into PIVOTS parts."""
-    lo = tl.zeros([], dtype=tl.int64) + LO
-    hi = tl.zeros([], dtype=tl.int64) + HI
+def _narrow(lo, hi, f, target, PIVOTS: tl.constexpr):
+    """[lo, hi] after a pass whose pivots' sums are f: bisection keeps F(lo) >= target > F(hi + 1)."""
     idx = tl.arange(0, PIVOTS)
-    cols = tl.arange(0, BLOCK)
-    for _ in tl.static_range(PASSES):
-        step = (hi - lo) // PIVOTS + 1
-        piv = lo + step * (idx + 1).to(tl.int64)
-        real = piv <= hi
-        p32 = tl.minimum(piv, hi).to(tl.int32)
-        acc = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            x, valid = _tile(row_ptr, start, cols, V)
-            if MASS:
-                w = tl.where(valid & (x >= floor), tl.exp((x - m) * inv_t), 0.0)
-            else:
-                w = tl.where(valid, 1.0, 0.0)
-            # pivots down the rows: a thread holds an element's 16 sums, so its key and
-            # probability are computed once (pivots across threads took 16 copies of each)
-            above = _key(x, SHIFT)[None, :] >= p32[:, None]
-            acc += tl.where(above, w[None, :], 0.0)
-        f = tl.sum(acc, axis=1)
-        j = tl.max(tl.where(real & (f >= target), idx, -1))
-        new_lo = tl.where(j >= 0, tl.sum(tl.where(idx == j, piv, 0)), lo)
-        nxt = tl.sum(tl.where(idx == j + 1, piv, 0))
-        hi = tl.where(j + 1 < PIVOTS, tl.minimum(nxt - 1, hi), hi)
-        lo = new_lo
-    return lo
+    piv, real = _pivots(lo, hi, PIVOTS)
+    j = tl.max(tl.where(real & (f >= target), idx, -1))
+    new_lo = tl.where(j >= 0, tl.sum(tl.where(idx == j, piv, 0)), lo)
+    nxt = tl.sum(tl.where(idx == j + 1, piv, 0))
+    return new_lo, tl.where(j + 1 < PIVOTS, tl.minimum(nxt - 1, hi), hi)
 
 
-@_jit(do_not_specialize=["sx"])
-def _threshold_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, out_ptr, V: tl.constexpr, SHIFT: tl.constexpr,
-                      PASSES: tl.constexpr, BLOCK: tl.constexpr, PIVOTS: tl.constexpr, LO: tl.constexpr,
-                      HI: tl.constexpr):
-    row = tl.program_id(0)
-    row_ptr = x_ptr + row.to(tl.int64) * sx
+@_jit
+def _chunk_max(row_ptr, start, V: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    for start in range(0, V, BLOCK):
-        x, _ = _tile(row_ptr, start, cols, V)
-        top = tl.maximum(top, x)
-    m = tl.max(top)
-    inv_t, k = tl.load(inv_t_ptr + row), tl.load(k_ptr + row)
+    for i in tl.static_range(CHUNK // BLOCK):
+        x = tl.load(row_ptr + start + i * BLOCK + cols, mask=start + i * BLOCK + cols < V, other=float("-inf"))
+        top = tl.maximum(top, x.to(tl.float32))
+    return tl.max(top)
+
+
+@_jit
+def _chunk_sums(row_ptr, start, p32, m, scale, floor, counting, V: tl.constexpr, SHIFT: tl.constexpr,
+                BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr):
+    """Over the chunk's logits at or above `floor`: per pivot, the count (`counting`) or the
+    probabilities of those at or above it, and the kept probability."""
+    cols = tl.arange(0, BLOCK)
+    acc = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
+    kept = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(CHUNK // BLOCK):
+        valid = start + i * BLOCK + cols < V
+        x = tl.load(row_ptr + start + i * BLOCK + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        w = tl.where(valid & (x >= floor), tl.where(counting, 1.0, tl.exp((x - m) * scale)), 0.0)
+        kept += w
+        # pivots down the rows: a thread holds an element's 16 sums, so its key and
+        # probability are computed once (pivots across threads took 16 copies of each)
+        acc += tl.where(_key(x, SHIFT)[None, :] >= p32[:, None], w[None, :], 0.0)
+    return tl.sum(acc, axis=1), tl.sum(kept)
+
+
+@_jit
+def _bisects(kind, k, top_p, V: tl.constexpr):
+    """Whether a row takes part in a bisection pass of `kind`: its filter is on."""
+    return ((kind == _COUNT) & (k < V)) | ((kind == _MASS) & (top_p < 1))
+
+
+@_jit
+def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
+                 SHIFT: tl.constexpr, PIVOTS: tl.constexpr, PART: tl.constexpr):
+    """A row's (m, tau, target, lo, hi) from the launch before's (`prev`: what it summed, + FIRST,
+    + LAST) and its chunk sums, added up in chunk order: every program of the row alike."""
+    kind = prev & 3
+    had = kind != _NONE
+    m = tl.load(st, mask=had, other=float("-inf")).to(tl.float32)
+    tau = tl.load(st + 1, mask=had, other=float("-inf")).to(tl.float32)
+    target = tl.load(st + 2, mask=had, other=0.0).to(tl.float32)
+    lo, hi = tl.load(st + 3, mask=had, other=0.0).to(tl.int64), tl.load(st + 4, mask=had, other=0.0).to(tl.int64)
+    c = tl.arange(0, C_POW2)[:, None]
+    part = part + c * PART
+    if kind == _MAX:
+        m = tl.max(tl.load(part + PIVOTS, mask=c < C, other=float("-inf")))
+        if min_p > 0:
+            tau = m + tl.log(min_p) / inv_t
+    if (kind == _MASS) & ((prev & _FIRST) != 0):
+        target = top_p * tl.sum(tl.load(part + PIVOTS + 1, mask=c < C, other=0.0))
+    if _bisects(kind, k, top_p, V):
+        f = tl.sum(tl.load(part + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
+        lo, hi = _narrow(lo, hi, f, tl.where(kind == _COUNT, k, target), PIVOTS)
+        if (prev & _LAST) != 0:
+            tau = tl.maximum(tau, _value(lo, SHIFT))
+    return m, tau, target, lo, hi
+
+
+@_jit(do_not_specialize=["sx", "op", "prev", "per_program"])
+def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out, st_in, st_out, out_ptr,
+                 op, prev, per_program, V: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
+                 SHIFT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr,
+                 PART: tl.constexpr, STATE: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+    """One launch of a row's threshold: its state after the launch before, then this launch's
+    chunk sums for `op` (a FIRST pass bisects the whole key range), or, FINISH, the threshold."""
+    row = tl.program_id(1)
+    inv_t, k = tl.load(inv_t_ptr + row), tl.load(k_ptr + row).to(tl.float32)
     top_p, min_p = tl.load(p_ptr + row), tl.load(minp_ptr + row)
-    tau = float("-inf")
-    if min_p > 0:
-        tau = m + tl.log(min_p) / inv_t
-    if k < V:
-        t = _largest_key(row_ptr, m, inv_t, tau, k.to(tl.float32), V, False, SHIFT, PASSES, BLOCK, PIVOTS,
-                         LO, HI)
-        tau = tl.maximum(tau, _value(t, SHIFT))
-    if top_p < 1:
-        kept = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(0, V, BLOCK):
-            x, _ = _tile(row_ptr, start, cols, V)
-            kept += tl.where(x >= tau, tl.exp((x - m) * inv_t), 0.0)
-        target = top_p * tl.sum(kept)
-        t = _largest_key(row_ptr, m, inv_t, tau, target, V, True, SHIFT, PASSES, BLOCK, PIVOTS, LO, HI)
-        tau = tl.maximum(tau, _value(t, SHIFT))
-    tl.store(out_ptr + row, tau)
+    m, tau, target, lo, hi = _state_after(prev, st_in + row * STATE, part_in + row * C * PART, k, top_p, min_p,
+                                          inv_t, V, C, C_POW2, SHIFT, PIVOTS, PART)
+    if (op & _FIRST) != 0:
+        lo, hi = tl.zeros([], dtype=tl.int64) + LO, tl.zeros([], dtype=tl.int64) + HI
+    kind = op & 3
+    if tl.program_id(0) == 0:   # the next launch's state (launches alternate two buffers)
+        st = st_out + row * STATE
+        tl.store(st, m)
+        tl.store(st + 1, tau)
+        tl.store(st + 2, target)
+        tl.store(st + 3, lo.to(tl.float64))
+        tl.store(st + 4, hi.to(tl.float64))
+        if kind == _FINISH:
+            tl.store(out_ptr + row, tau)
+    piv, _ = _pivots(lo, hi, PIVOTS)
+    p32 = tl.minimum(piv, hi).to(tl.int32)
+    floor = tl.where(kind == _MASS, tau, float("-inf"))
+    row_ptr = x_ptr + row.to(tl.int64) * sx
+    chunk = tl.program_id(0) * per_program
+    end = tl.minimum(chunk + per_program, C)
+    if not ((kind == _MAX) | _bisects(kind, k, top_p, V)):
+        end = chunk
+    while chunk < end:   # not range(): the interpreter takes no tensor bounds
+        out = part_out + (row * C + chunk) * PART
+        if kind == _MAX:
+            tl.store(out + PIVOTS, _chunk_max(row_ptr, chunk * CHUNK, V, BLOCK, CHUNK))
+        else:
+            f, kept = _chunk_sums(row_ptr, chunk * CHUNK, p32, m, inv_t, floor, kind == _COUNT, V, SHIFT, BLOCK,
+                                  CHUNK, PIVOTS)
+            tl.store(out + tl.arange(0, PIVOTS), f)
+            tl.store(out + PIVOTS + 1, kept)
+        chunk += 1
 
 
-def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p):
+def _plan(use_top_k: bool, use_top_p: bool, passes: int) -> list[int]:
+    """A threshold's launches: the max, a bisection for each filter some row sets, the finish."""
+    plan = [MAX]
+    for used, kind in ((use_top_k, COUNT), (use_top_p, MASS)):
+        if used:
+            plan += [kind | FIRST * (i == 0) | LAST * (i == passes - 1) for i in range(passes)]
+    return plan + [FINISH]
+
+
+def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=True, use_top_p=True,
+                            per_program=None):
+    """`use_top_k` / `use_top_p` False: no row sets it (its bisection is skipped).
+    `per_program`: chunks a program sums (tests; by default the SMs' fill)."""
     r, v = logits.shape
     out = torch.empty(r, dtype=torch.float32, device=logits.device)
-    shift = KEY_SHIFT[logits.dtype]
-    passes = -(-(32 - shift) // 4)
-    _threshold_kernel[(r,)](logits, logits.stride(0), inv_temps, top_k, top_p, min_p, out, V=v, SHIFT=shift,
-                            PASSES=passes, BLOCK=BLOCK, PIVOTS=PIVOTS, LO=-(1 << 31) >> shift,
-                            HI=((1 << 31) - 1) >> shift, num_warps=8)
+    if r == 0:
+        return out
+    shift, chunks = KEY_SHIFT[logits.dtype], cdiv(v, CHUNK)
+    per_program = per_program or min(chunks, max(1, cdiv(chunks * r, PROGRAMS_PER_SM * sm_count(logits))))
+    part = torch.empty(2, r, chunks, PART, dtype=torch.float32, device=logits.device)
+    state = torch.empty(2, r, STATE, dtype=torch.float64, device=logits.device)
+    plan = _plan(use_top_k, use_top_p, -(-(32 - shift) // 4))
+    prev = NONE
+    for t, op in enumerate(plan):
+        grid = (1, r) if op == FINISH else (cdiv(chunks, per_program), r)
+        # a launch kept for each (op, prev): those integers specialise it
+        cached_launch(_pass_kernel, grid, (op & ~LAST, prev, logits.dtype), num_warps=8)(
+            logits, logits.stride(0), inv_temps, top_k, top_p, min_p, part[(t - 1) % 2], part[t % 2],
+            state[(t - 1) % 2], state[t % 2], out, op & ~LAST, prev, per_program, V=v, C=chunks,
+            C_POW2=next_power_of_2(chunks), SHIFT=shift, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS, PART=PART,
+            STATE=STATE, LO=-(1 << 31) >> shift, HI=((1 << 31) - 1) >> shift)
+        prev = op
     return out
 
 
-def filter_threshold(logits, inv_temps, top_k, top_p, min_p):
-    """See filter_threshold_ref. top_k int32, the rest fp32, all [R] on the logits' device."""
-    fast = (logits.is_cuda and triton is not None and logits.dtype in KEY_SHIFT and logits.stride(-1) == 1
-            and logits.shape[0] >= KERNEL_MIN_ROWS)
-    return (filter_threshold_triton if fast else filter_threshold_ref)(logits, inv_temps, top_k, top_p, min_p)
+def filter_threshold(logits, inv_temps, top_k, top_p, min_p, use_top_k=True, use_top_p=True):
+    """See filter_threshold_ref. top_k int32, the rest fp32, all [R] on the logits' device;
+    `use_top_k` / `use_top_p` False where no row sets it (the kernel then skips its passes)."""
+    fast = (logits.is_cuda and triton is not None and logits.dtype in KEY_SHIFT and logits.stride(-1) == 1)
+    if fast:
+        return filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k, use_top_p)
+    return filter_threshold_ref(logits, inv_temps, top_k, top_p, min_p)
 
 
 def warmup_filter_threshold(vocab: int, dtype, device):
