@@ -16,6 +16,7 @@ from asynct.ops.argmax import MAX_CHUNKS, _best, _pick_kernel
 
 NOISE_BLOCK = 2048          # columns one Philox block covers: its four outputs a quarter each
 CHUNK = 4 * NOISE_BLOCK     # columns a program draws from
+NUM_WARPS = 4
 BIG = 2**31 - 1
 # Philox 4x32's multipliers and key increments (Salmon et al. 2011)
 ROUND_A, ROUND_B, KEY_A, KEY_B = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
@@ -93,7 +94,7 @@ def _draw_kernel(x_ptr, sx, V, inv_t_ptr, tau_ptr, key_ptr, R, val_ptr, idx_ptr,
     row_ptr = x_ptr + row.to(tl.int64) * sx
     best = tl.full([QUARTER], float("-inf"), dtype=tl.float32)
     at = tl.full([QUARTER], BIG, dtype=tl.int32)
-    for b in tl.static_range(CHUNK // NOISE_BLOCK):
+    for b in range(CHUNK // NOISE_BLOCK):
         block = c * (CHUNK // NOISE_BLOCK) + b
         r0, r1, r2, r3 = tl.randint4x(key, counter + block * QUARTER + lane)
         cols = block * NOISE_BLOCK + lane
@@ -115,7 +116,7 @@ def draw_triton(logits, inv_temps, threshold, keys):
     vals = torch.empty(r, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(r, chunks, dtype=torch.int32, device=logits.device)
     tau = inv_temps if threshold is None else threshold    # any fp32 [R]: not read
-    cached_launch(_draw_kernel, (chunks, r), (threshold is not None, logits.dtype), num_warps=4)(
+    cached_launch(_draw_kernel, (chunks, r), (threshold is not None, logits.dtype), num_warps=NUM_WARPS)(
         logits, logits.stride(0), v, inv_temps, tau, keys, r, vals, idx, HAS_TAU=threshold is not None,
         NOISE_BLOCK=NOISE_BLOCK, CHUNK=CHUNK, BIG=BIG)
     cached_launch(_pick_kernel, (r,), num_warps=1, launch_pdl=False)(vals, idx, out, chunks, MAX_C=MAX_CHUNKS,

@@ -28,6 +28,7 @@ BLOCK = 1024
 CHUNK = 4 * BLOCK   # logits a partial sum covers
 PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
 PROGRAMS_PER_SM = 4
+NUM_WARPS = 8
 # a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
 # lo, hi), padded so that the second of each double buffer is 16-byte aligned at any row count:
 # pointers specialise on it, and a launch aligned unlike the warm-up's compiled mid-run
@@ -98,7 +99,7 @@ def _narrow(lo, hi, f, target, PIVOTS: tl.constexpr):
 def _chunk_max(row_ptr, start, V: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     cols = tl.arange(0, BLOCK)
     top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    for i in tl.static_range(CHUNK // BLOCK):
+    for i in range(CHUNK // BLOCK):
         x = tl.load(row_ptr + start + i * BLOCK + cols, mask=start + i * BLOCK + cols < V, other=float("-inf"))
         top = tl.maximum(top, x.to(tl.float32))
     return tl.max(top)
@@ -112,7 +113,7 @@ def _chunk_sums(row_ptr, start, p32, m, scale, floor, counting, V: tl.constexpr,
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros([PIVOTS, BLOCK], dtype=tl.float32)
     kept = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in tl.static_range(CHUNK // BLOCK):
+    for i in range(CHUNK // BLOCK):
         valid = start + i * BLOCK + cols < V
         x = tl.load(row_ptr + start + i * BLOCK + cols, mask=valid, other=float("-inf")).to(tl.float32)
         w = tl.where(valid & (x >= floor), tl.where(counting, 1.0, tl.exp((x - m) * scale)), 0.0)
@@ -226,7 +227,7 @@ def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=Tr
     for t, op in enumerate(plan):
         grid = (1, r) if op == FINISH else (cdiv(chunks, per_program), r)
         # a launch kept for each (op, prev): those integers specialise it
-        cached_launch(_pass_kernel, grid, (op & ~LAST, prev, logits.dtype), num_warps=8)(
+        cached_launch(_pass_kernel, grid, (op & ~LAST, prev, logits.dtype), num_warps=NUM_WARPS)(
             logits, logits.stride(0), inv_temps, top_k, top_p, min_p, part[(t - 1) % 2], part[t % 2],
             state[(t - 1) % 2], state[t % 2], out, op & ~LAST, prev, per_program, V=v, C=chunks,
             C_POW2=next_power_of_2(chunks), SHIFT=shift, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS, PART=PART,
