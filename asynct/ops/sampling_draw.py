@@ -16,7 +16,7 @@ from asynct.ops.argmax import MAX_CHUNKS, _best, _pick_kernel
 
 NOISE_BLOCK = 2048          # columns one Philox block covers: its four outputs a quarter each
 CHUNK = 4 * NOISE_BLOCK     # columns a program draws from
-NUM_WARPS = 4
+NUM_WARPS = 8     # H100, 256 rows: 153 us against 165 with 4; 1 row: 17 against 24
 BIG = 2**31 - 1
 # Philox 4x32's multipliers and key increments (Salmon et al. 2011)
 ROUND_A, ROUND_B, KEY_A, KEY_B = 0xD2511F53, 0xCD9E8D57, 0x9E3779B9, 0xBB67AE85
