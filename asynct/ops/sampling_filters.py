@@ -28,7 +28,7 @@ BLOCK = 1024
 CHUNK = 4 * BLOCK   # logits a partial sum covers
 PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
 PROGRAMS_PER_SM = 4
-NUM_WARPS = 8
+NUM_WARPS = 8        # H100: BLOCK 512, or 8 programs an SM, were no faster (benchmarks/RESULTS.md)
 # a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
 # lo, hi), padded so that the second of each double buffer is 16-byte aligned at any row count:
 # pointers specialise on it, and a launch aligned unlike the warm-up's compiled mid-run
