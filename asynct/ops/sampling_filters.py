@@ -30,7 +30,7 @@ PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8        # H100: BLOCK 512, or 8 programs an SM, were no faster (benchmarks/RESULTS.md)
 # a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
-# lo, hi), padded so that the second of each double buffer is 16-byte aligned at any row count:
+# lo, hi, the k-th largest chunk max), padded so that the second of each double buffer is 16-byte aligned at any row count:
 # pointers specialise on it, and a launch aligned unlike the warm-up's compiled mid-run
 PART, STATE = PIVOTS + 4, 8
 # low key bits that are zero for every value of the dtype (converted to fp32 exactly)
@@ -131,47 +131,71 @@ def _bisects(kind, k, top_p, V: tl.constexpr):
 
 
 @_jit
+def _kth_largest(tops, k, C_POW2: tl.constexpr):
+    """The largest of the chunks' maxima (tops [C_POW2, 1], -inf past the chunks) with at least k
+    of them at or above it, so at least k logits: -inf where there are fewer than k chunks."""
+    a = tl.reshape(tops, [C_POW2])
+    above = tl.sum((a[None, :] >= a[:, None]).to(tl.float32), axis=1)
+    return tl.max(tl.where((above >= k) & (a > float("-inf")), a, float("-inf")))
+
+
+@_jit
 def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
                  SHIFT: tl.constexpr, PIVOTS: tl.constexpr, PART: tl.constexpr):
-    """A row's (m, tau, target, lo, hi) from the launch before's (`prev`: what it summed, + FIRST,
-    + LAST) and its chunk sums, added up in chunk order: every program of the row alike."""
+    """A row's (m, tau, target, lo, hi, kth) from the launch before's (`prev`: what it summed,
+    + FIRST, + LAST) and its chunk sums, added up in chunk order: every program of the row alike.
+    A pass whose range [lo, hi] was one key summed nothing."""
     kind = prev & 3
     had = kind != _NONE
     m = tl.load(st, mask=had, other=float("-inf")).to(tl.float32)
     tau = tl.load(st + 1, mask=had, other=float("-inf")).to(tl.float32)
     target = tl.load(st + 2, mask=had, other=0.0).to(tl.float32)
     lo, hi = tl.load(st + 3, mask=had, other=0.0).to(tl.int64), tl.load(st + 4, mask=had, other=0.0).to(tl.int64)
+    kth = tl.load(st + 5, mask=had, other=float("-inf")).to(tl.float32)
     c = tl.arange(0, C_POW2)[:, None]
     part = part + c * PART
     if kind == _MAX:
-        m = tl.max(tl.load(part + PIVOTS, mask=c < C, other=float("-inf")))
+        tops = tl.load(part + PIVOTS, mask=c < C, other=float("-inf"))
+        m, kth = tl.max(tops), _kth_largest(tops, k, C_POW2)
         if min_p > 0:
             tau = m + tl.log(min_p) / inv_t
-    if (kind == _MASS) & ((prev & _FIRST) != 0):
-        target = top_p * tl.sum(tl.load(part + PIVOTS + 1, mask=c < C, other=0.0))
     if _bisects(kind, k, top_p, V):
-        f = tl.sum(tl.load(part + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
-        lo, hi = _narrow(lo, hi, f, tl.where(kind == _COUNT, k, target), PIVOTS)
+        if lo < hi:
+            if (kind == _MASS) & ((prev & _FIRST) != 0):
+                target = top_p * tl.sum(tl.load(part + PIVOTS + 1, mask=c < C, other=0.0))
+            f = tl.sum(tl.load(part + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
+            lo, hi = _narrow(lo, hi, f, tl.where(kind == _COUNT, k, target), PIVOTS)
         if (prev & _LAST) != 0:
             tau = tl.maximum(tau, _value(lo, SHIFT))
-    return m, tau, target, lo, hi
+    return m, tau, target, lo, hi, kth
+
+
+@_jit
+def _first_range(kind, m, tau, kth, SHIFT: tl.constexpr, LO: tl.constexpr):
+    """A bisection's starting [lo, hi]: no logit is above the max's key, and at least k logits
+    (COUNT: the k-th largest chunk max) or all the kept mass (MASS: the floor) are at or above lo.
+    Bounds narrower than the whole key range take passes off: top-k's k-th largest and the
+    nucleus after it or min-p lie a few keys below the max, and a pass over one key sums nothing."""
+    floor = tl.where(kind == _COUNT, kth, tau)
+    lo = tl.where(floor > float("-inf"), _key(floor, SHIFT).to(tl.int64), LO)
+    return lo, _key(m, SHIFT).to(tl.int64)
 
 
 @_jit(do_not_specialize=["sx", "op", "prev", "per_program"])
 def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out, st_in, st_out, out_ptr,
                  op, prev, per_program, V: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
                  SHIFT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr,
-                 PART: tl.constexpr, STATE: tl.constexpr, LO: tl.constexpr, HI: tl.constexpr):
+                 PART: tl.constexpr, STATE: tl.constexpr, LO: tl.constexpr):
     """One launch of a row's threshold: its state after the launch before, then this launch's
-    chunk sums for `op` (a FIRST pass bisects the whole key range), or, FINISH, the threshold."""
+    chunk sums for `op` (a FIRST pass starts a bisection), or, FINISH, the threshold."""
     row = tl.program_id(1)
     inv_t, k = tl.load(inv_t_ptr + row), tl.load(k_ptr + row).to(tl.float32)
     top_p, min_p = tl.load(p_ptr + row), tl.load(minp_ptr + row)
-    m, tau, target, lo, hi = _state_after(prev, st_in + row * STATE, part_in + row * C * PART, k, top_p, min_p,
-                                          inv_t, V, C, C_POW2, SHIFT, PIVOTS, PART)
-    if (op & _FIRST) != 0:
-        lo, hi = tl.zeros([], dtype=tl.int64) + LO, tl.zeros([], dtype=tl.int64) + HI
+    m, tau, target, lo, hi, kth = _state_after(prev, st_in + row * STATE, part_in + row * C * PART, k, top_p,
+                                               min_p, inv_t, V, C, C_POW2, SHIFT, PIVOTS, PART)
     kind = op & 3
+    if (op & _FIRST) != 0:
+        lo, hi = _first_range(kind, m, tau, kth, SHIFT, LO)
     if tl.program_id(0) == 0:   # the next launch's state (launches alternate two buffers)
         st = st_out + row * STATE
         tl.store(st, m)
@@ -179,6 +203,7 @@ def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out
         tl.store(st + 2, target)
         tl.store(st + 3, lo.to(tl.float64))
         tl.store(st + 4, hi.to(tl.float64))
+        tl.store(st + 5, kth)
         if kind == _FINISH:
             tl.store(out_ptr + row, tau)
     piv, _ = _pivots(lo, hi, PIVOTS)
@@ -187,7 +212,7 @@ def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out
     row_ptr = x_ptr + row.to(tl.int64) * sx
     chunk = tl.program_id(0) * per_program
     end = tl.minimum(chunk + per_program, C)
-    if not ((kind == _MAX) | _bisects(kind, k, top_p, V)):
+    if not ((kind == _MAX) | (_bisects(kind, k, top_p, V) & (lo < hi))):
         end = chunk
     while chunk < end:   # not range(): the interpreter takes no tensor bounds
         out = part_out + (row * C + chunk) * PART
@@ -231,7 +256,7 @@ def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=Tr
             logits, logits.stride(0), inv_temps, top_k, top_p, min_p, part[(t - 1) % 2], part[t % 2],
             state[(t - 1) % 2], state[t % 2], out, op & ~LAST, prev, per_program, V=v, C=chunks,
             C_POW2=next_power_of_2(chunks), SHIFT=shift, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS, PART=PART,
-            STATE=STATE, LO=-(1 << 31) >> shift, HI=((1 << 31) - 1) >> shift)
+            STATE=STATE, LO=-(1 << 31) >> shift)
         prev = op
     return out
 
