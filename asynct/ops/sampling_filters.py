@@ -13,7 +13,9 @@ pivots a pass: each pass counts (top-k) or adds the probabilities (top-p) of the
 above every pivot. A bf16 logit's key has 16 bits: four passes a threshold.
 
 A pass is a launch: chunks of CHUNK logits are summed side by side, and every program of the next
-launch adds the row's chunk sums up (in one order, so all agree) before its own pass. One program
+launch adds the row's chunk sums up (in one order, so all agree) before its own pass. A bisection
+starts from bounds the row's state holds (see _first_range), and a pass over one key reads
+nothing: top-k 20 with top-p took half the launches' reading (256 rows: 1.26 ms, not 2.43). One program
 streaming a whole row took ~0.55 ms for a top-p threshold of a 152k row, slower than a sort at
 one row; chunks spread a row over the SMs. The chunks are the same at any batch size, so a row's
 threshold, rounding included, does not depend on the rows beside it."""
