@@ -12,6 +12,8 @@ from asynct.engine.sequence import Sequence
 from asynct.ops.sampling_draw import draw
 from asynct.ops.sampling_filters import filter_threshold
 
+FP32_TINY = torch.finfo(torch.float32).tiny
+
 
 def _filter_threshold(logits, seqs, inv_temps):
     """Per row, the logit that top-k, min-p and top-p keep the logits at or above
@@ -99,8 +101,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids=(), prev_sa
 def _draw(logits, seqs):
     if all(s.params.greedy for s in seqs):
         return logits.argmax(-1)
-    inv_temps = host_to_device([0.0 if s.params.greedy else 1 / s.params.temperature for s in seqs], torch.float32,
-                               logits.device)
+    # 1 / T at least fp32's smallest normal: under it (T past ~1e38, valid) it read as 0, greedy
+    inv_temps = host_to_device([0.0 if s.params.greedy else max(1 / s.params.temperature, FP32_TINY) for s in seqs],
+                               torch.float32, logits.device)
     return draw(logits, inv_temps, _filter_threshold(logits, seqs, inv_temps), _noise_keys(seqs, logits.device))
 
 

@@ -87,6 +87,7 @@ class KernelLaunch:
         self.fn, self.grid, self.options = fn, tuple(grid) + (1,) * (3 - len(grid)), options
         self.names = getattr(fn, "arg_names", ())
         self.runner = self.spec = self.first = None
+        self.kept = False     # cached_launch's: its specialisation is taken at once, no arguments held
 
     def __call__(self, *args, **params):
         values = args + tuple(params[n] for n in self.names[len(args):])
@@ -100,7 +101,11 @@ class KernelLaunch:
         kernel = self.fn[self.grid](*args, **params, **self.options)
         # the interpreter (TRITON_INTERPRET=1) returns no compiled kernel: always through the JIT
         compiled = hasattr(kernel, "packed_metadata")
-        self.runner, self.first, self.spec = (kernel[self.grid] if compiled else None), values, None
+        self.runner = kernel[self.grid] if compiled else None
+        # a launch kept for the process's life (cached_launch) must not hold its arguments: the
+        # tensors of its first call (a step's [rows, vocab] logits) would never be freed
+        self.first = values if compiled and not self.kept else None
+        self.spec = _Specialisation(values) if compiled and self.kept else None
 
 
 _cached_launches: dict = {}
@@ -111,9 +116,10 @@ def cached_launch(fn, grid, key=(), **options) -> KernelLaunch:
     launched every step then goes straight to its compiled kernel. The key holds whatever
     changes from call to call and would otherwise make a launch specialise unlike the last
     (a dtype, an op code, a constexpr), so that calls of each kind keep their own."""
-    launch_key = (fn, tuple(grid), key)
+    launch_key = (fn, tuple(grid), key)     # callers put the device in `key`: a compiled kernel is one device's
     if launch_key not in _cached_launches:
         _cached_launches[launch_key] = KernelLaunch(fn, grid, **options)
+        _cached_launches[launch_key].kept = True
     return _cached_launches[launch_key]
 
 

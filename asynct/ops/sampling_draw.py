@@ -63,8 +63,9 @@ def draw_ref(logits, inv_temps, threshold, keys):
     x = logits.float()
     noise = -torch.log(-torch.log(uniform_ref(keys, x.shape[1])))
     score = x * inv_temps[:, None] + noise
-    if threshold is not None:
-        score = score.masked_fill(x < threshold[:, None], float("-inf"))
+    # kept: x >= threshold, as the kernel's test (a NaN logit of a sampled row is dropped)
+    tau = float("-inf") if threshold is None else threshold[:, None]
+    score = score.masked_fill(~(x >= tau), float("-inf"))
     return torch.where(inv_temps[:, None] > 0, score, x).argmax(-1)
 
 
@@ -116,11 +117,12 @@ def draw_triton(logits, inv_temps, threshold, keys):
     vals = torch.empty(r, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(r, chunks, dtype=torch.int32, device=logits.device)
     tau = inv_temps if threshold is None else threshold    # any fp32 [R]: not read
-    cached_launch(_draw_kernel, (chunks, r), (threshold is not None, logits.dtype), num_warps=NUM_WARPS)(
+    cached_launch(_draw_kernel, (chunks, r), (threshold is not None, logits.dtype, logits.device),
+                  num_warps=NUM_WARPS)(
         logits, logits.stride(0), v, inv_temps, tau, keys, r, vals, idx, HAS_TAU=threshold is not None,
         NOISE_BLOCK=NOISE_BLOCK, CHUNK=CHUNK, BIG=BIG)
-    cached_launch(_pick_kernel, (r,), num_warps=1, launch_pdl=False)(vals, idx, out, chunks, MAX_C=MAX_CHUNKS,
-                                                                     BIG=BIG, PDL=False)
+    cached_launch(_pick_kernel, (r,), (logits.device,), num_warps=1, launch_pdl=False)(
+        vals, idx, out, chunks, MAX_C=MAX_CHUNKS, BIG=BIG, PDL=False)
     return out
 
 

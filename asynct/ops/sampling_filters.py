@@ -164,7 +164,9 @@ def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.
     if _bisects(kind, k, top_p, V):
         if lo < hi:
             if (kind == _MASS) & ((prev & _FIRST) != 0):
-                target = top_p * tl.sum(tl.load(part + PIVOTS + 1, mask=c < C, other=0.0))
+                # above 0, which every key's sum meets (a top_p under fp32's range, or flushed):
+                # the bisection then ends on the top logit, as the sort's cut
+                target = tl.maximum(top_p * tl.sum(tl.load(part + PIVOTS + 1, mask=c < C, other=0.0)), 1.1754944e-38)
             f = tl.sum(tl.load(part + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
             lo, hi = _narrow(lo, hi, f, tl.where(kind == _COUNT, k, target), PIVOTS)
         if (prev & _LAST) != 0:
@@ -254,7 +256,7 @@ def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=Tr
     for t, op in enumerate(plan):
         grid = (1, r) if op == FINISH else (cdiv(chunks, per_program), r)
         # a launch kept for each (op, prev): those integers specialise it
-        cached_launch(_pass_kernel, grid, (op & ~LAST, prev, logits.dtype), num_warps=NUM_WARPS)(
+        cached_launch(_pass_kernel, grid, (op & ~LAST, prev, logits.dtype, logits.device), num_warps=NUM_WARPS)(
             logits, logits.stride(0), inv_temps, top_k, top_p, min_p, part[(t - 1) % 2], part[t % 2],
             state[(t - 1) % 2], state[t % 2], out, op & ~LAST, prev, per_program, V=v, C=chunks,
             C_POW2=next_power_of_2(chunks), SHIFT=shift, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS, PART=PART,
