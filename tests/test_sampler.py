@@ -524,7 +524,7 @@ def test_seeded_tokens_do_not_depend_on_batch_n_preemption_or_async(tiny_ckpt):
     for settings in (dict(async_scheduling=False), dict(async_scheduling=True),
                      dict(num_kv_blocks=12, block_size=4, async_scheduling=False),
                      dict(num_kv_blocks=12, block_size=4, async_scheduling=True)):
-        llm = LLM(tiny_ckpt, **settings)
+        llm = LLM(tiny_ckpt, device="cpu", **settings)   # the kernels' GPU paths: their own tests above
         alone = toks(llm.generate([prompt], SamplingParams(**kw), use_tqdm=False))[0][0]
         batched = toks(llm.generate([prompt] + others, [SamplingParams(**kw)] + [free] * len(others),
                                     use_tqdm=False))[0][0]
@@ -538,7 +538,7 @@ def test_greedy_rows_beside_sampled_rows_equal_a_greedy_run(tiny_ckpt):
     """Greedy rows in a batch of filtered, sampled rows take the plain argmax."""
     from asynct import LLM
     from tests.test_engine import random_prompts
-    llm = LLM(tiny_ckpt)
+    llm = LLM(tiny_ckpt, device="cpu")
     prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 3, 30, seed=9)]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     hot = SamplingParams(temperature=1.5, top_k=5, top_p=0.8, min_p=0.05, max_tokens=16, ignore_eos=True)
