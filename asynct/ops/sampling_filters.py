@@ -15,10 +15,10 @@ above every pivot. A bf16 logit's key has 16 bits: four passes a threshold.
 A pass is a launch: chunks of CHUNK logits are summed side by side, and every program of the next
 launch adds the row's chunk sums up (in one order, so all agree) before its own pass. A bisection
 starts from bounds the row's state holds (see _first_range), and a pass over one key reads
-nothing: top-k 20 with top-p took half the launches' reading (256 rows: 1.26 ms, not 2.43). One program
-streaming a whole row took ~0.55 ms for a top-p threshold of a 152k row, slower than a sort at
-one row; chunks spread a row over the SMs. The chunks are the same at any batch size, so a row's
-threshold, rounding included, does not depend on the rows beside it."""
+nothing: top-k 20 with top-p then read the logits half as often (256 rows: 1.26 ms, not 2.43).
+One program streaming a whole row took ~0.55 ms for a top-p threshold of a 152k row, slower than
+a sort at one row; chunks spread a row over the SMs. The chunks are the same at any batch size,
+so a row's threshold, rounding included, does not depend on the rows beside it."""
 import torch
 
 from asynct.ops._triton import cached_launch, cdiv, jit as _jit, next_power_of_2, tl, triton
@@ -32,8 +32,9 @@ PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8        # H100: BLOCK 512, or 8 programs an SM, were no faster (benchmarks/RESULTS.md)
 # a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
-# lo, hi, the k-th largest chunk max), padded so that the second of each double buffer is 16-byte aligned at any row count:
-# pointers specialise on it, and a launch aligned unlike the warm-up's compiled mid-run
+# lo, hi, the k-th largest chunk max), padded so that the second of each double buffer is
+# 16-byte aligned at any row count: pointers specialise on it, and a launch aligned unlike the
+# warm-up's compiled mid-run
 PART, STATE = PIVOTS + 4, 8
 # low key bits that are zero for every value of the dtype (converted to fp32 exactly)
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
@@ -43,7 +44,8 @@ MAX, COUNT, MASS, FINISH = 0, 1, 2, 3
 NONE = FINISH
 FIRST, LAST = 4, 8
 if triton is not None:   # the kernel's copies: Triton reads only constexpr globals
-    _MAX, _COUNT, _MASS, _FINISH, _NONE, _FIRST, _LAST = map(tl.constexpr, (MAX, COUNT, MASS, FINISH, NONE, FIRST, LAST))
+    _MAX, _COUNT, _MASS, _FINISH, _NONE, _FIRST, _LAST = map(tl.constexpr,
+                                                              (MAX, COUNT, MASS, FINISH, NONE, FIRST, LAST))
 
 
 def filter_threshold_ref(logits, inv_temps, top_k, top_p, min_p):
