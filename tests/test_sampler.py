@@ -99,6 +99,25 @@ def test_the_filter_threshold_kernel_equals_its_sorting_reference(dtype, vocab, 
         assert at >= target * (1 - 1e-5) and above < target * (1 + 1e-5), (r, at / target, above / target)
 
 
+def test_top_k_starts_from_the_kth_largest_tile_maximum():
+    """Top-k's bisection starts at the k-th largest of the chunks' tile maxima: on a row whose only
+    large logits are one a tile, that bound is the threshold itself, so a bound one rank too high
+    keeps k - 1 tokens. Past the tiles (PARTS a chunk times the chunks), no bound."""
+    from asynct.ops.sampling_filters import BLOCK, CHUNK, filter_threshold_ref, filter_threshold_triton
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = 3 * CHUNK
+    tiles = vocab // BLOCK
+    x = torch.full((4, vocab), -10.0)
+    x[:, ::BLOCK] = torch.randperm(tiles, generator=torch.Generator().manual_seed(1)).float()
+    x = x.to(dev)
+    k = torch.tensor([1, 5, tiles, tiles + 3], dtype=torch.int32, device=dev)
+    one = torch.ones(4, device=dev)
+    args = (x, one, k, one, one * 0)
+    got = filter_threshold_triton(*args)
+    kept = (x >= got[:, None]).sum(-1).tolist()
+    assert torch.equal(got, filter_threshold_ref(*args)) and kept == [1, 5, tiles, vocab]   # -10's ties
+
+
 @pytest.mark.parametrize("use_top_k, use_top_p", [(False, True), (True, False), (False, False)])
 def test_the_filter_threshold_kernel_skips_a_bisection_no_row_needs(use_top_k, use_top_p):
     """Where no row sets top-k (or top-p) the kernel's launches skip its bisection: the

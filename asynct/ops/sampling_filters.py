@@ -29,23 +29,23 @@ from asynct.ops.asynci_common import sm_count
 BLOCK = 1024
 CHUNK = 4 * BLOCK   # logits a partial sum covers
 PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
+# a chunk's tiles, whose maxima bound top-k from below (k up to PARTS x the chunks: 149 at 152k)
+PARTS = CHUNK // BLOCK
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8        # H100: BLOCK 512, or 8 programs an SM, were no faster (benchmarks/RESULTS.md)
 # a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
-# lo, hi, the k-th largest chunk max), padded so that the second of each double buffer is
+# lo, hi, the k-th largest tile max), padded so that the second of each double buffer is
 # 16-byte aligned at any row count: pointers specialise on it, and a launch aligned unlike the
 # warm-up's compiled mid-run
 PART, STATE = PIVOTS + 4, 8
 # low key bits that are zero for every value of the dtype (converted to fp32 exactly)
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
-# what a launch sums (the next launch reads its sums by it): NONE before the first, FINISH the last;
-# flags of a bisection's passes
+# what a launch sums (the next launch reads its sums by it): MAX the first (its own kernel), FINISH
+# the last; flags of a bisection's passes
 MAX, COUNT, MASS, FINISH = 0, 1, 2, 3
-NONE = FINISH
 FIRST, LAST = 4, 8
 if triton is not None:   # the kernel's copies: Triton reads only constexpr globals
-    _MAX, _COUNT, _MASS, _FINISH, _NONE, _FIRST, _LAST = map(tl.constexpr,
-                                                              (MAX, COUNT, MASS, FINISH, NONE, FIRST, LAST))
+    _MAX, _COUNT, _MASS, _FINISH, _FIRST, _LAST = map(tl.constexpr, (MAX, COUNT, MASS, FINISH, FIRST, LAST))
 
 
 def filter_threshold_ref(logits, inv_temps, top_k, top_p, min_p):
@@ -100,13 +100,33 @@ def _narrow(lo, hi, f, target, PIVOTS: tl.constexpr):
 
 
 @_jit
-def _chunk_max(row_ptr, start, V: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _store_chunk_maxima(row_ptr, start, out, V: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        PIVOTS: tl.constexpr):
+    """Stores the maxima of the chunk's tiles of BLOCK logits where a pass's pivot sums go (they
+    bound top-k from below), and the chunk's after them."""
     cols = tl.arange(0, BLOCK)
-    top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    top = float("-inf")
     for i in range(CHUNK // BLOCK):
         x = tl.load(row_ptr + start + i * BLOCK + cols, mask=start + i * BLOCK + cols < V, other=float("-inf"))
-        top = tl.maximum(top, x.to(tl.float32))
-    return tl.max(top)
+        tile = tl.max(x.to(tl.float32))
+        tl.store(out + i, tile)
+        top = tl.maximum(top, tile)
+    tl.store(out + PIVOTS, top)
+
+
+@_jit(do_not_specialize=["sx", "per_program"])
+def _max_kernel(x_ptr, sx, part_out, per_program, V: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
+                CHUNK: tl.constexpr, PIVOTS: tl.constexpr, PART: tl.constexpr):
+    """A threshold's first launch: each chunk's maxima. Its own kernel: in the pass kernel's
+    loop, the tiles' reductions took its registers from 128 to ~200 a thread (sm_90), one
+    program an SM for every pass."""
+    row = tl.program_id(1)
+    row_ptr = x_ptr + row.to(tl.int64) * sx
+    chunk = tl.program_id(0) * per_program
+    end = tl.minimum(chunk + per_program, C)
+    while chunk < end:   # not range(): the interpreter takes no tensor bounds
+        _store_chunk_maxima(row_ptr, chunk * CHUNK, part_out + (row * C + chunk) * PART, V, BLOCK, CHUNK, PIVOTS)
+        chunk += 1
 
 
 @_jit
@@ -135,32 +155,36 @@ def _bisects(kind, k, top_p, V: tl.constexpr):
 
 
 @_jit
-def _kth_largest(tops, k, C_POW2: tl.constexpr):
-    """The largest of the chunks' maxima (tops [C_POW2, 1], -inf past the chunks) with at least k
-    of them at or above it, so at least k logits: -inf where there are fewer than k chunks."""
-    a = tl.reshape(tops, [C_POW2])
-    above = tl.sum((a[None, :] >= a[:, None]).to(tl.float32), axis=1)
-    return tl.max(tl.where((above >= k) & (a > float("-inf")), a, float("-inf")))
+def _kth_largest(part, k, C: tl.constexpr, C_POW2: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr):
+    """The k-th largest of the chunks' tile maxima (PARTS a chunk, sorted): at least k logits are
+    at or above it. -inf where there are fewer than k tiles."""
+    c = tl.arange(0, C_POW2)[:, None]
+    maxima = tl.load(part + c * PART + tl.arange(0, PARTS)[None, :], mask=c < C, other=float("-inf"))
+    N: tl.constexpr = C_POW2 * PARTS
+    ranked = tl.sort(tl.reshape(maxima, [N]), descending=True)
+    at = tl.arange(0, N)
+    return tl.max(tl.where(at == k.to(tl.int32) - 1, ranked, float("-inf")))
 
 
 @_jit
 def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
-                 SHIFT: tl.constexpr, PIVOTS: tl.constexpr, PART: tl.constexpr):
+                 SHIFT: tl.constexpr, PIVOTS: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr):
     """A row's (m, tau, target, lo, hi, kth) from the launch before's (`prev`: what it summed,
     + FIRST, + LAST) and its chunk sums, added up in chunk order: every program of the row alike.
     A pass whose range [lo, hi] was one key summed nothing."""
     kind = prev & 3
-    had = kind != _NONE
+    had = (kind == _COUNT) | (kind == _MASS)    # the max launch leaves no state
     m = tl.load(st, mask=had, other=float("-inf")).to(tl.float32)
     tau = tl.load(st + 1, mask=had, other=float("-inf")).to(tl.float32)
     target = tl.load(st + 2, mask=had, other=0.0).to(tl.float32)
     lo, hi = tl.load(st + 3, mask=had, other=0.0).to(tl.int64), tl.load(st + 4, mask=had, other=0.0).to(tl.int64)
     kth = tl.load(st + 5, mask=had, other=float("-inf")).to(tl.float32)
     c = tl.arange(0, C_POW2)[:, None]
-    part = part + c * PART
+    chunks = part + c * PART
     if kind == _MAX:
-        tops = tl.load(part + PIVOTS, mask=c < C, other=float("-inf"))
-        m, kth = tl.max(tops), _kth_largest(tops, k, C_POW2)
+        m = tl.max(tl.load(chunks + PIVOTS, mask=c < C, other=float("-inf")))
+        if k < V:
+            kth = _kth_largest(part, k, C, C_POW2, PARTS, PART)
         if min_p > 0:
             tau = m + tl.log(min_p) / inv_t
     if _bisects(kind, k, top_p, V):
@@ -168,8 +192,8 @@ def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.
             if (kind == _MASS) & ((prev & _FIRST) != 0):
                 # above 0, which every key's sum meets (a top_p under fp32's range, or flushed):
                 # the bisection then ends on the top logit, as the sort's cut
-                target = tl.maximum(top_p * tl.sum(tl.load(part + PIVOTS + 1, mask=c < C, other=0.0)), 1.1754944e-38)
-            f = tl.sum(tl.load(part + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
+                target = tl.maximum(top_p * tl.sum(tl.load(chunks + PIVOTS + 1, mask=c < C, other=0.0)), 1.1754944e-38)
+            f = tl.sum(tl.load(chunks + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
             lo, hi = _narrow(lo, hi, f, tl.where(kind == _COUNT, k, target), PIVOTS)
         if (prev & _LAST) != 0:
             tau = tl.maximum(tau, _value(lo, SHIFT))
@@ -179,7 +203,7 @@ def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.
 @_jit
 def _first_range(kind, m, tau, kth, SHIFT: tl.constexpr, LO: tl.constexpr):
     """A bisection's starting [lo, hi]: no logit is above the max's key, and at least k logits
-    (COUNT: the k-th largest chunk max) or all the kept mass (MASS: the floor) are at or above lo.
+    (COUNT: the k-th largest tile max) or all the kept mass (MASS: the floor) are at or above lo.
     Bounds narrower than the whole key range take passes off: top-k's k-th largest and the
     nucleus after it or min-p lie a few keys below the max, and a pass over one key sums nothing."""
     floor = tl.where(kind == _COUNT, kth, tau)
@@ -191,14 +215,14 @@ def _first_range(kind, m, tau, kth, SHIFT: tl.constexpr, LO: tl.constexpr):
 def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out, st_in, st_out, out_ptr,
                  op, prev, per_program, V: tl.constexpr, C: tl.constexpr, C_POW2: tl.constexpr,
                  SHIFT: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, PIVOTS: tl.constexpr,
-                 PART: tl.constexpr, STATE: tl.constexpr, LO: tl.constexpr):
+                 PARTS: tl.constexpr, PART: tl.constexpr, STATE: tl.constexpr, LO: tl.constexpr):
     """One launch of a row's threshold: its state after the launch before, then this launch's
     chunk sums for `op` (a FIRST pass starts a bisection), or, FINISH, the threshold."""
     row = tl.program_id(1)
     inv_t, k = tl.load(inv_t_ptr + row), tl.load(k_ptr + row).to(tl.float32)
     top_p, min_p = tl.load(p_ptr + row), tl.load(minp_ptr + row)
     m, tau, target, lo, hi, kth = _state_after(prev, st_in + row * STATE, part_in + row * C * PART, k, top_p,
-                                               min_p, inv_t, V, C, C_POW2, SHIFT, PIVOTS, PART)
+                                               min_p, inv_t, V, C, C_POW2, SHIFT, PIVOTS, PARTS, PART)
     kind = op & 3
     if (op & _FIRST) != 0:
         lo, hi = _first_range(kind, m, tau, kth, SHIFT, LO)
@@ -218,23 +242,21 @@ def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out
     row_ptr = x_ptr + row.to(tl.int64) * sx
     chunk = tl.program_id(0) * per_program
     end = tl.minimum(chunk + per_program, C)
-    if not ((kind == _MAX) | (_bisects(kind, k, top_p, V) & (lo < hi))):
+    if not (_bisects(kind, k, top_p, V) & (lo < hi)):
         end = chunk
     while chunk < end:   # not range(): the interpreter takes no tensor bounds
         out = part_out + (row * C + chunk) * PART
-        if kind == _MAX:
-            tl.store(out + PIVOTS, _chunk_max(row_ptr, chunk * CHUNK, V, BLOCK, CHUNK))
-        else:
-            f, kept = _chunk_sums(row_ptr, chunk * CHUNK, p32, m, inv_t, floor, kind == _COUNT, V, SHIFT, BLOCK,
-                                  CHUNK, PIVOTS)
-            tl.store(out + tl.arange(0, PIVOTS), f)
-            tl.store(out + PIVOTS + 1, kept)
+        f, kept = _chunk_sums(row_ptr, chunk * CHUNK, p32, m, inv_t, floor, kind == _COUNT, V, SHIFT, BLOCK,
+                              CHUNK, PIVOTS)
+        tl.store(out + tl.arange(0, PIVOTS), f)
+        tl.store(out + PIVOTS + 1, kept)
         chunk += 1
 
 
 def _plan(use_top_k: bool, use_top_p: bool, passes: int) -> list[int]:
-    """A threshold's launches: the max, a bisection for each filter some row sets, the finish."""
-    plan = [MAX]
+    """A threshold's pass-kernel launches after the max's: a bisection for each filter some row
+    sets, the finish."""
+    plan = []
     for used, kind in ((use_top_k, COUNT), (use_top_p, MASS)):
         if used:
             plan += [kind | FIRST * (i == 0) | LAST * (i == passes - 1) for i in range(passes)]
@@ -253,16 +275,18 @@ def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=Tr
     per_program = per_program or min(chunks, max(1, cdiv(chunks * r, PROGRAMS_PER_SM * sm_count(logits))))
     part = torch.empty(2, r, chunks, PART, dtype=torch.float32, device=logits.device)
     state = torch.empty(2, r, STATE, dtype=torch.float64, device=logits.device)
-    plan = _plan(use_top_k, use_top_p, -(-(32 - shift) // 4))
-    prev = NONE
-    for t, op in enumerate(plan):
+    cached_launch(_max_kernel, (cdiv(chunks, per_program), r), (logits.dtype, logits.device), num_warps=NUM_WARPS)(
+        logits, logits.stride(0), part[0], per_program, V=v, C=chunks, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS,
+        PART=PART)
+    prev = MAX
+    for t, op in enumerate(_plan(use_top_k, use_top_p, -(-(32 - shift) // 4)), 1):
         grid = (1, r) if op == FINISH else (cdiv(chunks, per_program), r)
         # a launch kept for each (op, prev): those integers specialise it
         cached_launch(_pass_kernel, grid, (op & ~LAST, prev, logits.dtype, logits.device), num_warps=NUM_WARPS)(
             logits, logits.stride(0), inv_temps, top_k, top_p, min_p, part[(t - 1) % 2], part[t % 2],
             state[(t - 1) % 2], state[t % 2], out, op & ~LAST, prev, per_program, V=v, C=chunks,
-            C_POW2=next_power_of_2(chunks), SHIFT=shift, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS, PART=PART,
-            STATE=STATE, LO=-(1 << 31) >> shift)
+            C_POW2=next_power_of_2(chunks), SHIFT=shift, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS, PARTS=PARTS,
+            PART=PART, STATE=STATE, LO=-(1 << 31) >> shift)
         prev = op
     return out
 
