@@ -25,6 +25,8 @@ VARIANTS = {
     "temp 1, min_p 0.05": dict(temperature=1.0, min_p=0.05),
     "temp 1, seeded": dict(temperature=1.0, seed=1),
     "temp 0.8, top_p 0.95, top_k 20": dict(temperature=0.8, top_p=0.95, top_k=20),
+    # Qwen's generation_config: the penalty makes the logits fp32 (32-bit keys, 8 passes a bisection)
+    "temp 0.7, top_p 0.8, top_k 20, rep 1.05": dict(temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05),
 }
 
 
@@ -75,7 +77,8 @@ def engine(model):
     rng = random.Random(0)
     prompts = [[rng.randrange(V) for _ in range(200)] for _ in range(R)]
     steps(llm, prompts, R, list(VARIANTS), 160)
-    few = ["greedy", "temp 1", "temp 1, top_p 0.9", "temp 1, seeded", "temp 0.8, top_p 0.95, top_k 20"]
+    few = ["greedy", "temp 1", "temp 1, top_p 0.9", "temp 1, seeded", "temp 0.8, top_p 0.95, top_k 20",
+           "temp 0.7, top_p 0.8, top_k 20, rep 1.05"]
     steps(llm, prompts, 16, few, 256)
     steps(llm, prompts, 1, few, 256)
 

@@ -83,8 +83,10 @@ def profile_on_cpu(monkeypatch, llm, peaks):
 
 def test_the_profile_samples_a_full_batch_and_counts_the_penalty_rows_beside_the_forward(tiny_ckpt, monkeypatch):
     """A step forwards max_num_batched_tokens tokens over several prompts and samples up to
-    min(max_num_seqs, max_num_batched_tokens) rows, more than one max_model_len prompt holds;
-    and the penalty counts, once grown, stay beside every
+    min(max_num_seqs, max_num_batched_tokens) rows, more than one max_model_len prompt holds
+    (then the 31 whose penalised fp32 logits sort, on a GPU, below the filter kernel's 32 rows:
+    their buffers can outweigh a few more rows' through the kernel); and the penalty counts, once
+    grown, stay beside every
     later forward: the peak is the larger of forward + counts and the sampling's, plus the
     decode graphs' static logits where graphs are captured."""
     llm = LLM(tiny_ckpt, device="cpu", max_num_seqs=48, max_num_batched_tokens=64, max_model_len=16,
@@ -95,7 +97,7 @@ def test_the_profile_samples_a_full_batch_and_counts_the_penalty_rows_beside_the
     tokens, forward = [], runner._forward
     monkeypatch.setattr(runner, "_forward", lambda ids, pos, meta: tokens.append(len(ids)) or forward(ids, pos, meta))
     peak, rows = profile_on_cpu(monkeypatch, llm, [10**6, 2 * 10**6])
-    assert tokens == [64] and rows == [48] and peak == max(10**6 + counts, 2 * 10**6)
+    assert tokens == [64] and rows == [48, 31] and peak == max(10**6 + counts, 2 * 10**6)
     peak, _ = profile_on_cpu(monkeypatch, llm, [10**6, 10**4])
     assert peak == 10**6 + counts
     runner.cudagraph_mode = "full_decode_only"     # + the sampling graphs' logits (32 fp32 rows), argmax

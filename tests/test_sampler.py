@@ -118,6 +118,22 @@ def test_top_k_starts_from_the_kth_largest_tile_maximum():
     assert torch.equal(got, filter_threshold_ref(*args)) and kept == [1, 5, tiles, vocab]   # -10's ties
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernel's dispatch is CUDA's")
+def test_fp32_logits_below_the_kernels_rows_sort(monkeypatch):
+    """Penalised (fp32) logits of fewer than FP32_KERNEL_MIN_ROWS rows take the sort: 32-bit keys
+    make 18 launches with top-k and top-p, slower at few rows. Model-dtype logits never sort."""
+    from asynct.ops import sampling_filters as sf
+    launched = []
+    ref = sf.filter_threshold_ref
+    monkeypatch.setattr(sf, "filter_threshold_triton", lambda *a, **kw: launched.append(a[0].dtype) or ref(*a[:5]))
+    for rows, dtype in ((sf.FP32_KERNEL_MIN_ROWS - 1, torch.float32), (sf.FP32_KERNEL_MIN_ROWS, torch.float32),
+                        (1, torch.bfloat16)):
+        one = torch.ones(rows, device="cuda")
+        sf.filter_threshold(torch.randn(rows, 700, device="cuda").to(dtype), one,
+                            torch.full((rows,), 5, dtype=torch.int32, device="cuda"), one / 2, one * 0)
+    assert launched == [torch.float32, torch.bfloat16]
+
+
 @pytest.mark.parametrize("use_top_k, use_top_p", [(False, True), (True, False), (False, False)])
 def test_the_filter_threshold_kernel_skips_a_bisection_no_row_needs(use_top_k, use_top_p):
     """Where no row sets top-k (or top-p) the kernel's launches skip its bisection: the

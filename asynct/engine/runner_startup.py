@@ -11,7 +11,7 @@ from asynct import ops
 from asynct.attention import StepInputs
 from asynct.engine.cuda_graph import CudaGraphRunner, sampling_buffer_bytes
 from asynct.engine.piecewise_graph import PiecewiseGraphRunner
-from asynct.engine.sampling_profile import sample_dummy_rows
+from asynct.engine.sampling_profile import profiled_row_counts, sample_dummy_rows
 from asynct.ops.argmax import warmup_argmax
 from asynct.ops.sampling_draw import warmup_draw
 from asynct.ops.sampling_filters import warmup_filter_threshold
@@ -176,7 +176,8 @@ class RunnerStartup:
         hidden = self._forward(torch.zeros(len(positions), dtype=torch.long, device=self.device),
                                torch.tensor(positions, device=self.device), self.builder.build(step))
         forward = torch.cuda.max_memory_allocated(self.device) - base
-        sample_dummy_rows(self, hidden, min(self.max_num_seqs, self.max_num_batched_tokens))
+        for rows in profiled_row_counts(min(self.max_num_seqs, self.max_num_batched_tokens)):
+            sample_dummy_rows(self, hidden, rows)
         sampling = torch.cuda.max_memory_allocated(self.device) - base   # counts made in it
         del hidden      # before the cache is emptied: its block would stay reserved, counted as used
         self._release_kv_cache()

@@ -10,6 +10,7 @@ from asynct.engine.penalty_counts import PenaltyCounts
 from asynct.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from asynct.engine.scheduler import ScheduledBatch
 from asynct.engine.sequence import Sequence
+from asynct.ops.sampling_filters import FP32_KERNEL_MIN_ROWS
 
 
 def costliest_params(vocab_size: int) -> SamplingParams:
@@ -24,6 +25,13 @@ def dummy_sequences(n: int, vocab_size: int, block_size: int) -> list[Sequence]:
     """n sequences with a one-token prompt each, which a one-token step completes: all sample."""
     params = costliest_params(vocab_size)
     return [Sequence(i, "memory-profile", i, [i % vocab_size], params, block_size) for i in range(n)]
+
+
+def profiled_row_counts(max_rows: int) -> list[int]:
+    """The row counts the profile samples: the most a step gives, and the most whose fp32 (the
+    dummies' penalised) logits are sorted, not filtered by the kernel (FP32_KERNEL_MIN_ROWS):
+    those buffers can outweigh the kernel's at a few rows more (31 sorted rows ~1.7x 32)."""
+    return sorted({max_rows, min(max_rows, FP32_KERNEL_MIN_ROWS - 1)}, reverse=True)
 
 
 def sample_dummy_rows(runner, hidden: torch.Tensor, num_rows: int) -> torch.Tensor:

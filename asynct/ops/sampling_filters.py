@@ -38,6 +38,11 @@ NUM_WARPS = 8        # H100: BLOCK 512, or 8 programs an SM, were no faster (ben
 # 16-byte aligned at any row count: pointers specialise on it, and a launch aligned unlike the
 # warm-up's compiled mid-run
 PART, STATE = PIVOTS + 4, 8
+# fp32 logits (penalties, a bias or allowed tokens) have 32-bit keys, 8 passes a bisection: with
+# top-k and top-p, 18 launches, whose host work outweighed a sort at few rows (H100, Qwen's
+# top-k 20 / top-p 0.8 / repetition penalty: steps of 1 row 2.30 ms against the sort's 1.80, 16
+# rows 2.71 against 2.35, 256 rows 7.71 against 8.97; benchmarks/RESULTS.md). Fewer rows sort.
+FP32_KERNEL_MIN_ROWS = 32
 # low key bits that are zero for every value of the dtype (converted to fp32 exactly)
 KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 # what a launch sums (the next launch reads its sums by it): MAX the first (its own kernel), FINISH
@@ -294,7 +299,8 @@ def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=Tr
 def filter_threshold(logits, inv_temps, top_k, top_p, min_p, use_top_k=True, use_top_p=True):
     """See filter_threshold_ref. top_k int32, the rest fp32, all [R] on the logits' device;
     `use_top_k` / `use_top_p` False where no row sets it (the kernel then skips its passes)."""
-    fast = (logits.is_cuda and triton is not None and logits.dtype in KEY_SHIFT and logits.stride(-1) == 1)
+    fast = (logits.is_cuda and triton is not None and logits.dtype in KEY_SHIFT and logits.stride(-1) == 1
+            and (logits.dtype != torch.float32 or logits.shape[0] >= FP32_KERNEL_MIN_ROWS))
     if fast:
         return filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k, use_top_p)
     return filter_threshold_ref(logits, inv_temps, top_k, top_p, min_p)
