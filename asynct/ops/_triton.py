@@ -83,11 +83,11 @@ class KernelLaunch:
     launches 70-105 of them. Arguments: the kernel's parameters in order, the trailing ones
     (constexprs) by name."""
 
-    def __init__(self, fn, grid, **options):
+    def __init__(self, fn, grid, kept=False, **options):
         self.fn, self.grid, self.options = fn, tuple(grid) + (1,) * (3 - len(grid)), options
         self.names = getattr(fn, "arg_names", ())
         self.runner = self.spec = self.first = None
-        self.kept = False     # cached_launch's: its specialisation is taken at once, no arguments held
+        self.kept = kept     # cached_launch's: its specialisation is taken at once, no arguments held
 
     def __call__(self, *args, **params):
         values = args + tuple(params[n] for n in self.names[len(args):])
@@ -118,8 +118,7 @@ def cached_launch(fn, grid, key=(), **options) -> KernelLaunch:
     (a dtype, an op code, a constexpr), so that calls of each kind keep their own."""
     launch_key = (fn, tuple(grid), key)     # callers put the device in `key`: a compiled kernel is one device's
     if launch_key not in _cached_launches:
-        _cached_launches[launch_key] = KernelLaunch(fn, grid, **options)
-        _cached_launches[launch_key].kept = True
+        _cached_launches[launch_key] = KernelLaunch(fn, grid, kept=True, **options)
     return _cached_launches[launch_key]
 
 

@@ -33,7 +33,7 @@ PIVOTS = 16         # keys a pass tries: 4 bits of the threshold's key
 PARTS = CHUNK // BLOCK
 PROGRAMS_PER_SM = 4
 NUM_WARPS = 8        # H100: BLOCK 512, or 8 programs an SM, were no faster (benchmarks/RESULTS.md)
-# a chunk's partial sums (its PIVOTS sums, max, kept mass) and a row's state (m, tau, target,
+# a chunk's partial sums (its PIVOTS sums or tile maxima, kept mass) and a row's state (m, tau, target,
 # lo, hi, the k-th largest tile max), padded so that the second of each double buffer is
 # 16-byte aligned at any row count: pointers specialise on it, and a launch aligned unlike the
 # warm-up's compiled mid-run
@@ -105,24 +105,19 @@ def _narrow(lo, hi, f, target, PIVOTS: tl.constexpr):
 
 
 @_jit
-def _store_chunk_maxima(row_ptr, start, out, V: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                        PIVOTS: tl.constexpr):
-    """Stores the maxima of the chunk's tiles of BLOCK logits where a pass's pivot sums go (they
-    bound top-k from below), and the chunk's after them."""
+def _store_tile_maxima(row_ptr, start, out, V: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """Stores the maxima of the chunk's tiles of BLOCK logits where a pass's pivot sums go: the
+    row's max is theirs, and they bound top-k from below."""
     cols = tl.arange(0, BLOCK)
-    top = float("-inf")
     for i in range(CHUNK // BLOCK):
         x = tl.load(row_ptr + start + i * BLOCK + cols, mask=start + i * BLOCK + cols < V, other=float("-inf"))
-        tile = tl.max(x.to(tl.float32))
-        tl.store(out + i, tile)
-        top = tl.maximum(top, tile)
-    tl.store(out + PIVOTS, top)
+        tl.store(out + i, tl.max(x.to(tl.float32)))
 
 
 @_jit(do_not_specialize=["sx", "per_program"])
 def _max_kernel(x_ptr, sx, part_out, per_program, V: tl.constexpr, C: tl.constexpr, BLOCK: tl.constexpr,
-                CHUNK: tl.constexpr, PIVOTS: tl.constexpr, PART: tl.constexpr):
-    """A threshold's first launch: each chunk's maxima. Its own kernel: in the pass kernel's
+                CHUNK: tl.constexpr, PART: tl.constexpr):
+    """A threshold's first launch: each chunk's tile maxima. Its own kernel: in the pass kernel's
     loop, the tiles' reductions took its registers from 128 to ~200 a thread (sm_90), one
     program an SM for every pass."""
     row = tl.program_id(1)
@@ -130,7 +125,7 @@ def _max_kernel(x_ptr, sx, part_out, per_program, V: tl.constexpr, C: tl.constex
     chunk = tl.program_id(0) * per_program
     end = tl.minimum(chunk + per_program, C)
     while chunk < end:   # not range(): the interpreter takes no tensor bounds
-        _store_chunk_maxima(row_ptr, chunk * CHUNK, part_out + (row * C + chunk) * PART, V, BLOCK, CHUNK, PIVOTS)
+        _store_tile_maxima(row_ptr, chunk * CHUNK, part_out + (row * C + chunk) * PART, V, BLOCK, CHUNK)
         chunk += 1
 
 
@@ -160,11 +155,9 @@ def _bisects(kind, k, top_p, V: tl.constexpr):
 
 
 @_jit
-def _kth_largest(part, k, C: tl.constexpr, C_POW2: tl.constexpr, PARTS: tl.constexpr, PART: tl.constexpr):
-    """The k-th largest of the chunks' tile maxima (PARTS a chunk, sorted): at least k logits are
-    at or above it. -inf where there are fewer than k tiles."""
-    c = tl.arange(0, C_POW2)[:, None]
-    maxima = tl.load(part + c * PART + tl.arange(0, PARTS)[None, :], mask=c < C, other=float("-inf"))
+def _kth_largest(maxima, k, C_POW2: tl.constexpr, PARTS: tl.constexpr):
+    """The k-th largest of the chunks' tile maxima ([C_POW2, PARTS], -inf past the chunks), by a
+    sort: at least k logits are at or above it. -inf where there are fewer than k tiles."""
     N: tl.constexpr = C_POW2 * PARTS
     ranked = tl.sort(tl.reshape(maxima, [N]), descending=True)
     at = tl.arange(0, N)
@@ -187,9 +180,10 @@ def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.
     c = tl.arange(0, C_POW2)[:, None]
     chunks = part + c * PART
     if kind == _MAX:
-        m = tl.max(tl.load(chunks + PIVOTS, mask=c < C, other=float("-inf")))
+        maxima = tl.load(chunks + tl.arange(0, PARTS)[None, :], mask=c < C, other=float("-inf"))
+        m = tl.max(tl.max(maxima, axis=1))
         if k < V:
-            kth = _kth_largest(part, k, C, C_POW2, PARTS, PART)
+            kth = _kth_largest(maxima, k, C_POW2, PARTS)
         if min_p > 0:
             tau = m + tl.log(min_p) / inv_t
     if _bisects(kind, k, top_p, V):
@@ -197,7 +191,7 @@ def _state_after(prev, st, part, k, top_p, min_p, inv_t, V: tl.constexpr, C: tl.
             if (kind == _MASS) & ((prev & _FIRST) != 0):
                 # above 0, which every key's sum meets (a top_p under fp32's range, or flushed):
                 # the bisection then ends on the top logit, as the sort's cut
-                target = tl.maximum(top_p * tl.sum(tl.load(chunks + PIVOTS + 1, mask=c < C, other=0.0)), 1.1754944e-38)
+                target = tl.maximum(top_p * tl.sum(tl.load(chunks + PIVOTS, mask=c < C, other=0.0)), 1.1754944e-38)
             f = tl.sum(tl.load(chunks + tl.arange(0, PIVOTS)[None, :], mask=c < C, other=0.0), axis=0)
             lo, hi = _narrow(lo, hi, f, tl.where(kind == _COUNT, k, target), PIVOTS)
         if (prev & _LAST) != 0:
@@ -254,7 +248,7 @@ def _pass_kernel(x_ptr, sx, inv_t_ptr, k_ptr, p_ptr, minp_ptr, part_in, part_out
         f, kept = _chunk_sums(row_ptr, chunk * CHUNK, p32, m, inv_t, floor, kind == _COUNT, V, SHIFT, BLOCK,
                               CHUNK, PIVOTS)
         tl.store(out + tl.arange(0, PIVOTS), f)
-        tl.store(out + PIVOTS + 1, kept)
+        tl.store(out + PIVOTS, kept)
         chunk += 1
 
 
@@ -281,8 +275,7 @@ def filter_threshold_triton(logits, inv_temps, top_k, top_p, min_p, use_top_k=Tr
     part = torch.empty(2, r, chunks, PART, dtype=torch.float32, device=logits.device)
     state = torch.empty(2, r, STATE, dtype=torch.float64, device=logits.device)
     cached_launch(_max_kernel, (cdiv(chunks, per_program), r), (logits.dtype, logits.device), num_warps=NUM_WARPS)(
-        logits, logits.stride(0), part[0], per_program, V=v, C=chunks, BLOCK=BLOCK, CHUNK=CHUNK, PIVOTS=PIVOTS,
-        PART=PART)
+        logits, logits.stride(0), part[0], per_program, V=v, C=chunks, BLOCK=BLOCK, CHUNK=CHUNK, PART=PART)
     prev = MAX
     for t, op in enumerate(_plan(use_top_k, use_top_p, -(-(32 - shift) // 4)), 1):
         grid = (1, r) if op == FINISH else (cdiv(chunks, per_program), r)
