@@ -623,12 +623,12 @@ def worst_vs_float64(out, q, cache, row, n, sigma, scale, pool):
     return worst(out), worst(torch_path[0].transpose(0, 1))
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_prefill_bf16_beats_torch_backend(seed):
     """Two chunks (one after a cached prefix) through the launch plan's key splits and halos.
-    The gate goes into a @ V rounded to bf16, as in the torch backend and the decode kernels
-    (up to 2^-8 relative on every weight); fp32 scores and fp16 pool operands still leave the
-    kernel below the torch path's worst error (0.5-0.95x of it)."""
+    The gate goes into a @ V as its bf16 rounding plus the remainder, so the kernel's error is
+    the output's own bf16 rounding: 0.06-0.12x the torch path's worst here. With the gate
+    rounded once to bf16 (as the torch backend and the decode kernels do) it was 0.50-1.15x."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, pool, n = 4, 2, 32, 16, 3, 150
     q, cache, row, sigma = bf16_sequence(n, hq, hkv, d, bs, gen)
@@ -642,7 +642,7 @@ def test_prefill_bf16_beats_torch_backend(seed):
     for b in range(2):
         rows = slice(int(qsl[b]), int(qsl[b + 1]))
         kern, ref = worst_vs_float64(out[rows], qs[rows], cache, row[0], lens[b], sigma, d ** -0.5, pool)
-        assert kern < ref, (b, kern, ref)
+        assert kern < 0.2 * ref, (b, kern, ref)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

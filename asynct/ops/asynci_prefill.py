@@ -49,6 +49,23 @@ def _pool_operand(r, dtype: tl.constexpr):
 
 
 @_jit
+def _gate_dot(a, v, acc, PREC: tl.constexpr):
+    """acc + a @ v for fp32 gates a in [0, 1] and a 16-bit tile v: a goes in as its rounding to
+    v's type plus what that rounding left out, a second product. One bf16 rounding of every gate
+    (up to 2^-9 relative, as the torch backend rounds it) was the Triton engine's whole excess
+    over exact attention in teacher-forced bf16 logprobs (h80, bf16_parity.py). The product costs
+    the kernel 1.05x at 512 tokens and 1.21-1.27x at 2K-8K (still 1.09-1.17x SDPA flash), the
+    engine's scoring workload ~1 % (H100, benchmarks/RESULTS.md)."""
+    if v.dtype == tl.float32:
+        acc = tl.dot(a, v, acc, input_precision=PREC)
+    else:
+        hi = a.to(v.dtype)
+        acc = tl.dot(hi, v, acc, input_precision=PREC)
+        acc = tl.dot((a - hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
+    return acc
+
+
+@_jit
 def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev, f_cur, f_prev, kvh,
           s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
@@ -68,10 +85,6 @@ def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev, f_cur,
         r = tl.where(valid, r, 0.0)
     # The pool as products with 0/1 bands on the tensor cores: 1.7x faster at 8K tokens than
     # shifting r through tl.gather (shared-memory round trips). r goes in as one fp16 operand.
-    # The gate goes into a @ V in v's type, as the decode kernels and the torch backend round
-    # it: carrying its bf16 rounding error as a second (lo) a @ V made the kernel's error an
-    # eighth of the torch backend's instead of 0.5-0.95x of it, but 2K-8K prompts 1.1-1.2x
-    # slower (H200, benchmarks/RESULTS.md). Tensor-core FLOPs per bf16 score 4D + 4N.
     r = _pool_operand(r, f_cur.dtype)
     lp = tl.dot(r, f_cur, input_precision="tf32x3")
     if P > 1:
@@ -79,7 +92,7 @@ def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev, f_cur,
     a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
     if MASKED:
         a = tl.where(valid, a, 0.0)
-    return tl.dot(a.to(v.dtype), v, acc, input_precision=PREC), r, rows
+    return _gate_dot(a, v, acc, PREC), r, rows
 
 
 @_jit
