@@ -54,8 +54,8 @@ def _gate_dot(a, v, acc, PREC: tl.constexpr):
     v's type plus what that rounding left out, a second product. One bf16 rounding of every gate
     (up to 2^-9 relative, as the torch backend rounds it) was the Triton engine's whole excess
     over exact attention in teacher-forced bf16 logprobs (h80, bf16_parity.py). The product costs
-    the kernel 1.05x at 512 tokens and 1.21-1.27x at 2K-8K (still 1.09-1.17x SDPA flash), the
-    engine's scoring workload ~1 % (H100, benchmarks/RESULTS.md)."""
+    the kernel 1.05x at 512 tokens and 1.21-1.27x at 2K-8K (still 1.09-1.17x SDPA flash), an
+    evaluation's scoring pass 3 % (H100, benchmarks/RESULTS.md)."""
     if v.dtype == tl.float32:
         acc = tl.dot(a, v, acc, input_precision=PREC)
     else:
