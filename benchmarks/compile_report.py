@@ -103,7 +103,7 @@ def decode_reports():
 def prefill_reports():
     args = dict(ATTN, qsl_ptr="*i32", out_ptr="*fp32", sqt=1024, sqh=128, sot=1024 * 8, soh=128 * 8,
                 sos=128, sbt=128, S=2, B=4, QT=64)
-    for cfg in (*pre.PREFILL_CONFIGS, pre.WIDE_CONFIG):
+    for cfg in pre.PREFILL_CONFIGS:
         consts = dict(COMMON, G_PAD=2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n)
         yield f"prefill {cfg.block_m}x{cfg.block_n}, {cfg.num_warps} warps, {cfg.num_stages} stages", \
             compile_sm90(pre._prefill_kernel, args, consts, cfg.num_warps, cfg.num_stages)

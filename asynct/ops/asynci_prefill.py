@@ -3,8 +3,8 @@
 A program owns BLOCK_Q query tokens x the G query heads of one KV head (M = BLOCK_Q*G rows,
 so one K/V tile load serves the whole GQA group) and walks the key tiles left to right up to
 its last query's position: the tiles wholly above the causal diagonal are never visited. The
-pool's left halo comes from the previous tile's scores, still in registers; at key 0 it is
-zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
+pool's left halo comes from the previous tile's scores, as their product with the band, still in
+registers; at key 0 it is zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
 hits, earlier chunks) are just keys left of the chunk. An FP8 cache is dequantised by folding
 its scales into q and the accumulator, as in asynci_decode.
 
@@ -20,8 +20,8 @@ from asynct.ops.asynci_common import (apply_v_scale, check_layer, fold_k_scale, 
                                       load_kv_rows, load_rows, scale_args, sm_count, split_output, sum_all_splits,
                                       sum_all_splits_launch)
 # the plan, re-exported where benchmarks and tests have always found it
-from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, WIDE_CONFIG, _block_m,  # noqa: F401
-                                            _slice_keys, key_config, plan_prefill, seqs_per_group, wide_fits)
+from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, _block_m,  # noqa: F401
+                                            _slice_keys, key_config, plan_prefill, seqs_per_group)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_prefill_ref
 
@@ -41,11 +41,23 @@ def _band(BLOCK_N: tl.constexpr, P: tl.constexpr, PREV: tl.constexpr, dtype: tl.
 
 @_jit
 def _pool_operand(r, dtype: tl.constexpr):
-    """r as the band products' operand: fp32 for fp32 inputs (its products "tf32x3", hi + lo
-    tf32 parts: ~22 bits, on the tensor cores), else fp16, whose 2^-11 relative error on the
-    pool is an eighth of what the torch backend's bf16 scores put on theirs. Scores past 2^15
-    are not real ones."""
-    return tl.minimum(tl.maximum(r, -32768.0), 32768.0).to(dtype)
+    """r as the band products' operand, a (hi, lo) pair: for fp32 inputs r itself (its products
+    "tf32x3", ~22 bits on the tensor cores) and zeros, else its fp16 rounding and what that
+    rounding left out. One fp16 rounding put up to 5.6x the output's own bf16 rounding on the
+    kernel's error where scores reach ~20 with relu off (the pool is then of raw scores, and
+    sigma * pool cancels against s to leave a gate in 0..1). Scores past 2^15 are not real ones."""
+    r = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
+    hi = r.to(dtype)
+    return hi, (r - hi.to(tl.float32)).to(dtype)
+
+
+@_jit
+def _band_dot(hi, lo, f, lp):
+    """lp + (hi + lo) @ f for a pool operand pair and a 0/1 band f: exact products, fp32 sums."""
+    lp = tl.dot(hi, f, lp, input_precision="tf32x3")
+    if f.dtype != tl.float32:
+        lp = tl.dot(lo, f, lp)
+    return lp
 
 
 @_jit
@@ -66,13 +78,14 @@ def _gate_dot(a, v, acc, PREC: tl.constexpr):
 
 
 @_jit
-def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev, f_cur, f_prev, kvh,
+def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, lp_next, f_cur, f_prev, kvh,
           s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
-    """One key tile at j0, whose cache rows the tile before found (`rows`); returns the new
-    acc and r and the next tile's rows. Found in the same iteration, the K/V loads waited on a
-    block-table load of their own, and the pipeliner kept two buffers at most whatever
-    num_stages said (sm_90 compiles: three and four with the rows carried)."""
+    """One key tile at j0, whose cache rows the tile before found (`rows`), whose first pool
+    sums the tile before began (`lp_next`); returns the new acc, what this tile's keys add to
+    the next tile's pool sums and the next tile's rows. Found in the same iteration, the K/V
+    loads waited on a block-table load of their own, and the pipeliner kept two buffers at most
+    whatever num_stages said (sm_90 compiles: three and four with the rows carried)."""
     keys = j0 + tl.arange(0, BLOCK_N)
     kmask = keys < hi
     k = load_rows(k_ptr, rows, kmask, D).to(q.dtype)
@@ -84,23 +97,23 @@ def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev, f_cur,
         valid = kmask[None, :] & (keys[None, :] <= pos[:, None])
         r = tl.where(valid, r, 0.0)
     # The pool as products with 0/1 bands on the tensor cores: 1.7x faster at 8K tokens than
-    # shifting r through tl.gather (shared-memory round trips). r goes in as one fp16 operand.
-    r = _pool_operand(r, f_cur.dtype)
-    lp = tl.dot(r, f_cur, input_precision="tf32x3")
+    # shifting r through tl.gather (shared-memory round trips). r goes in as an fp16 hi + lo pair.
+    r, r_lo = _pool_operand(r, f_cur.dtype)
+    lp = _band_dot(r, r_lo, f_cur, lp_next)
     if P > 1:
-        lp = tl.dot(r_prev, f_prev, lp, input_precision="tf32x3")
+        lp_next = _band_dot(r, r_lo, f_prev, tl.zeros_like(s))
     a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
     if MASKED:
         a = tl.where(valid, a, 0.0)
-    return _gate_dot(a, v, acc, PREC), r, rows
+    return _gate_dot(a, v, acc, PREC), lp_next, rows
 
 
 @_jit
 def _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr,
           BLOCK_N: tl.constexpr, P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr,
           POOL_T: tl.constexpr):
-    """r of the P-1 keys left of `lo` as the previous tile's pool operand; the rest of that
-    tile is zero. Queries before those keys never use them (their gates are masked)."""
+    """r of the P-1 keys left of `lo` as the previous tile's pool operand pair; the rest of
+    that tile is zero. Queries before those keys never use them (their gates are masked)."""
     keys = lo - BLOCK_N + tl.arange(0, BLOCK_N)
     kmask = (keys >= 0) & (keys >= lo - (P - 1))
     k = load_kv_rows(k_ptr, bt_row, keys, kmask, kvh, s_blk, s_tok, s_head, BS, D).to(q.dtype)
@@ -156,23 +169,26 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, qsl_ptr, seq_ptr, sigma_ptr, ou
     POOL_T: tl.constexpr = tl.float32 if q.dtype == tl.float32 else tl.float16
     f_cur = _band(BLOCK_N, P, False, POOL_T)
     f_prev = _band(BLOCK_N, P, True, POOL_T)
-    r_prev = tl.zeros([BLOCK_M, BLOCK_N], dtype=POOL_T)  # r of the tile before (none: 0)
+    # what the tile before adds to this tile's first P-1 pool sums, carried as that product rather
+    # than as the tile's operand pair: 172 registers against 206 (sm_90, 64x32 tiles)
+    lp_next = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if P > 1:
         if (lo > 0) & (lo < end):
-            r_prev = _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS, D,
-                           BLOCK_N, P, RELU, PREC, POOL_T)
+            h, h_lo = _halo(q, k_ptr, bt_row, lo, kvh, s_blk, s_tok, s_head, scale, BS, D,
+                            BLOCK_N, P, RELU, PREC, POOL_T)
+            lp_next = _band_dot(h, h_lo, f_prev, lp_next)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     # the two loops' tiles are consecutive (lo and full are whole tiles): the rows carry over
     keys = lo + tl.arange(0, BLOCK_N)
     rows = kv_row_offsets(bt_row, keys, keys < hi, kvh, s_blk, s_tok, s_head, BS)
     for j0 in range(lo, tl.minimum(full, end), BLOCK_N):
-        acc, r_prev, rows = _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev,
-                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU,
-                                  PREC, False)
+        acc, lp_next, rows = _tile(
+            q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, lp_next, f_cur, f_prev, kvh,
+            s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC, False)
     for j0 in range(tl.maximum(full, lo), end, BLOCK_N):
-        acc, r_prev, rows = _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, r_prev,
-                                  f_cur, f_prev, kvh, s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU,
-                                  PREC, True)
+        acc, lp_next, rows = _tile(
+            q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, lp_next, f_cur, f_prev, kvh,
+            s_blk, s_tok, s_head, scale, BS, D, BLOCK_N, P, RELU, PREC, True)
     acc = apply_v_scale(acc, vs_ptr, kvh, D, FP8)   # per split: the partials of scaled sums add
     dst = out_ptr + (q0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + split * sos + d[None, :]
     tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
@@ -217,8 +233,7 @@ class PrefillLaunch:
             return
         g = hq // hkv
         g_pad = next_power_of_2(g)
-        cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sm_count(q), pool_size,
-                                        wide_fits(q, kv_cache))
+        cfg, plan_splits = plan_prefill(b, max_query_len, max_seq_len, hkv, g, sm_count(q), pool_size)
         splits = splits or (plan_splits if block_m is None else 1)
         if splits > MAX_SPLITS:
             raise ValueError(f"{splits} key splits, more than the {MAX_SPLITS} the split sum is compiled for")
@@ -267,12 +282,11 @@ def asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, s
     return plan(q, kv_cache, sigma, out, k_scale, v_scale)
 
 
-def prefill_variants(pool_size=1, wide=False):
+def prefill_variants(pool_size=1):
     """Every compiled variant `plan_prefill` can pick for a pool: its 64-query config unsplit and
-    split (any split count > 1 shares one compile), the wide config unsplit where it fits
-    (wide_fits)."""
+    split (any split count > 1 shares one compile)."""
     cfg = key_config(pool_size)
-    return [(cfg, 1), (cfg, 2)] + [(WIDE_CONFIG, 1)] * wide
+    return [(cfg, 1), (cfg, 2)]
 
 
 def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale, pool_size,
@@ -280,7 +294,7 @@ def warmup_prefill(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, s
     """Runs (so compiles) every prefill variant: the engine's start-up warm-up. CUDA only."""
     if not (q.is_cuda and triton is not None):
         return out
-    for cfg, splits in prefill_variants(pool_size, wide_fits(q, kv_cache)):
+    for cfg, splits in prefill_variants(pool_size):
         asynci_prefill_triton(q, kv_cache, block_table, query_start_loc, seq_lens, sigma, scale,
                               pool_size, relu_pre, out, max_query_len, max_seq_len,
                               **cfg._asdict(), splits=splits, k_scale=k_scale, v_scale=v_scale)
