@@ -3,9 +3,10 @@ the Triton backend's teacher-forced logprob errors against a float64 evaluation 
 to the torch backend's.
 
 - The mean error is at most 1.05x the torch backend's: no path of the Triton engine rounds more
-  (measured 0.92-0.96x; on recorded inputs the prefill kernel keeps 0.11-0.36x of the torch
-  path's error, the decode kernels 0.5-1.3x); and the worst at most 2.5x (2.00x seen while the
-  prefill rounded its gate to bf16, 1.44x since): a bound a real loss of precision would cross.
+  (measured 0.91-0.95x; on recorded inputs the prefill kernel's error is its output's bf16
+  rounding, 0.08-0.19x the torch path's, the decode kernels' 0.6-1.2x); and the worst at most
+  2.5x (2.00x seen while the prefill rounded its gate to bf16, 1.25x since its pool is exact): a
+  bound a real loss of precision would cross.
 - Issue 13's target, the worst error at most 1.2x the torch backend's, is an expected failure:
   the worst of 2,724 logprobs is the one token that bf16 rounding anywhere happens to amplify
   most. The torch backend with a strictly more precise attention (the script's noise control)
