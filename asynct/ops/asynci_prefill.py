@@ -4,9 +4,9 @@ A program owns BLOCK_Q query tokens x the G query heads of one KV head (M = BLOC
 so one K/V tile load serves the whole GQA group) and walks the key tiles left to right up to
 its last query's position: the tiles wholly above the causal diagonal are never visited. The
 pool's left halo comes from the previous tile's scores, as their product with the band, still in
-registers; at key 0 it is zero. A chunk's queries are the last q_len of its sequence's keys, so cached prefixes (prefix
-hits, earlier chunks) are just keys left of the chunk. An FP8 cache is dequantised by folding
-its scales into q and the accumulator, as in asynci_decode.
+registers; at key 0 it is zero. A chunk's queries are the last q_len of its sequence's keys, so
+cached prefixes (prefix hits, earlier chunks) are just keys left of the chunk. An FP8 cache is
+dequantised by folding its scales into q and the accumulator, as in asynci_decode.
 
 Short prompts give few programs (one 512-token prompt: 32 for 132 SMs), so the launch plan
 (`plan_prefill`) takes smaller query tiles and, if that is still too few, splits each query
