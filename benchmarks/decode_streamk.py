@@ -62,7 +62,7 @@ def _segment(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, plen_ptr, sigma_ptr, out_ptr,
     sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr + b.to(tl.int64) * sbt, vs_ptr, kvh,
                       start + (w - head_w) * BLOCK_N, tl.minimum(start + (seg_end - head_w) * BLOCK_N, n_b), scale,
-                      s_blk, s_tok, s_head, D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
+                      s_blk, s_tok, s_head, D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, False)
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + d[None, :]
     first_p = head_w // chunk
     last_p = (head_w + t_b - 1) // chunk

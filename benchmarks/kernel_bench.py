@@ -8,7 +8,8 @@ Each timing replays a CUDA graph that runs the op once on each of several input 
 inputs together are several times the 60 MB L2 (every op reads HBM) and launch gaps are the
 engine's (graphs) rather than Python's; the median of 20 replays, divided by the sets.
 Decode bandwidth counts the KV bytes read; elementwise bandwidth counts bytes read + written,
-as the copy's does. The decode peer is SDPA's fastest backend on dense K/V. --sweep adds the
+as the copy's does. The decode peer is SDPA's fastest backend on dense K/V; 'triton, engine' is
+the decode as the engine's graphs launch it (engine_kwargs). --sweep adds the
 block-size / split / config ablations. `uneven`: decode over lengths of 100-2,048 keys, rows
 longest first against batch order (the peer column)."""
 import math
@@ -21,6 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from asynct import ops
+from asynct.attention.graph_inputs import longest_first
+from asynct.attention.triton_backend import CASCADE_MIN_DECODES, DECODE_ORDER_MIN_ROWS
 from asynct.ops import cuda_ext
 from asynct.ops.asynci_decode import asynci_decode_triton
 
@@ -110,6 +113,18 @@ def sdpa_decode(sets, b, shape, nbytes, flops, copy_bw):
     return best
 
 
+def engine_kwargs(b, t):
+    """The decode as the engine's graphs run b rows of t keys: the cascade variant with nothing
+    shared from CASCADE_MIN_DECODES rows, longest first (here: a row's KV heads side by side)
+    from DECODE_ORDER_MIN_ROWS; {} where the engine adds into fp32 sums instead (few rows)."""
+    kw = {}
+    if b >= CASCADE_MIN_DECODES:
+        kw["prefix_len"] = torch.zeros(1, dtype=torch.int32, device="cuda")
+    if b >= DECODE_ORDER_MIN_ROWS:
+        kw["order"] = torch.from_numpy(longest_first([t] * b, b)).cuda()
+    return kw
+
+
 def decode(copy_bw, sweep):
     gen = torch.Generator("cuda").manual_seed(0)
     sigma = torch.randn(HQ, device="cuda")
@@ -131,6 +146,8 @@ def decode(copy_bw, sweep):
             if have_cuda:
                 variants.append(("cuda", cuda_ext.asynci_decode_cuda, {}))
             variants.append(("dispatch", ops.asynci_decode, {}))
+            if engine_kwargs(b, t):
+                variants.append(("triton, engine", asynci_decode_triton, engine_kwargs(b, t)))
             if sweep:
                 variants += [(f"tri n{bn} w{w} st{st}", asynci_decode_triton,
                               dict(block_n=bn, num_warps=w, num_stages=st))
@@ -145,7 +162,6 @@ def decode(copy_bw, sweep):
 def uneven(copy_bw):
     """Decode over uneven lengths (100-2,048 keys): rows in batch order, the peer, against the
     rows longest first (the engine's `order` from DECODE_ORDER_MIN_ROWS sequences)."""
-    from asynct.attention.graph_inputs import longest_first
     gen = torch.Generator("cuda").manual_seed(2)
     sigma = torch.randn(HQ, device="cuda")
     for b in (64, 128, 256):

@@ -484,7 +484,9 @@ def test_start_up_seconds_name_their_parts(llm_shared):
     fresh GPU machine's start) are their own part, not counted as loading weights (none on a CPU)."""
     seconds = llm_shared.llm_engine.startup_seconds
     assert list(seconds) == ["weights", "compile", "profile", "kv_cache", "decode_graphs", "piecewise_graphs"]
-    assert seconds["compile"] == 0 and all(v >= 0 for v in seconds.values())
+    assert all(v >= 0 for v in seconds.values())
+    if llm_shared.llm_engine.device.type == "cpu":
+        assert seconds["compile"] == 0
 
 
 def test_abort_frees_blocks_and_n_samples(tiny_ckpt):
@@ -705,7 +707,8 @@ def test_small_decode_steps_adding_into_fp32_sums_match_the_reference(tiny_ckpt,
         return None if sums is None else sums.fill_(float("nan"))
     monkeypatch.setattr(tb.TritonMetadataBuilder, "build", build_forced)
     monkeypatch.setattr(Attention, "attn_sums", nan_sums)
-    llm = LLM(tiny_ckpt, attention_backend="triton", max_num_seqs=2)
+    # eager: a GPU's decode graphs replay their metadata instead of building it
+    llm = LLM(tiny_ckpt, attention_backend="triton", max_num_seqs=2, enforce_eager=True)
     prompts = random_prompts(5, 1, 60, seed=11)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert sum(forced) >= 8

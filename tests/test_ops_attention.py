@@ -202,6 +202,8 @@ def test_prefill_ref_matches_dense_reference():
     (4, 4, 16, 16, 1, False, [9, 200], 2),             # pool 1
     (8, 2, 16, 4, 2, True, [1, 2, 3], 8),              # more splits than keys
     (2, 2, 16, 4, 70, True, [150, 3], None),           # a pool wider than a 64-key tile
+    (8, 1, 16, 4, 3, False, [90, 7], 2),               # GQA 8: the tile's 16 rows all heads, twice
+    (16, 1, 16, 4, 3, True, [75], 2),                  # GQA 16: a 32-row tile
 ])
 def test_decode_triton_interpreted(hq, hkv, d, bs, pool, relu, lens, splits):
     err = decode_case(asynci_decode_triton, lens, hq, hkv, d, bs, pool, relu, device=DEV,
@@ -337,7 +339,8 @@ def shared_prefix_case(lens, prefix_blocks, hq, hkv, d, bs, pool, relu, dtype=to
     (4, 2, 16, 4, 3, True, [200, 230, 197], 49, None, 3),     # prefix of 196 keys in 3 splits (halos)
     (4, 4, 16, 16, 1, False, [40, 17], 1, None, 4),           # pool 1, suffix of 1 key, empty splits
     (8, 2, 16, 4, 2, True, [5, 6, 7], 0, None, 2),            # no prefix at all
-    (8, 2, 16, 4, 3, True, list(range(40, 73, 3)), 8, None, 2),  # 44 query rows a KV head: 3 prefix tiles
+    (8, 2, 16, 4, 3, True, list(range(40, 73, 3)), 8, None, 2),  # 44 query rows a KV head: 6 prefix tiles
+    (8, 1, 16, 4, 3, False, [70, 75, 81], 8, None, 2),        # GQA 8: a prefix tile a row
 ])
 def test_decode_shared_prefix_interpreted(hq, hkv, d, bs, pool, relu, lens, prefix_blocks, splits, pre_splits):
     """Cascade decode: the pool's halo crosses from the prefix into each suffix, prefix splits
@@ -642,25 +645,26 @@ def test_prefill_bf16_large_scores_relu_off(seed, pool):
 
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("cascade", [False, True])
-def test_decode_bf16_beats_torch_backend(seed, cascade):
-    """Eight decodes of 60-150 keys, split-K; cascade: their first 48 keys through the shared-prefix pass.
-    Decode rounds the gate to bf16 as the torch backend does (its lo part cost 13-18 % of a long
-    decode and moved no engine-level error), so it must beat the torch path (fp32 scores
-    against bf16 ones: 0.57-0.71 of its worst error here)."""
+@pytest.mark.parametrize("relu", [True, False])
+def test_decode_bf16_at_output_rounding(seed, cascade, relu):
+    """Eight decodes of 60-150 keys, split-K; cascade: their first 48 keys through the shared-prefix
+    pass. The gate goes into a @ V as its bf16 rounding plus the remainder (gate_dot), so the
+    kernel's error is its output's bf16 rounding; with the gate rounded once, as the torch
+    backend does, it was 2.0-7.9x that here."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, pool = 4, 2, 32, 16, 3
     lens = torch.linspace(60, 150, 8).int().tolist()
     q, cache, row, sigma = bf16_sequence(max(lens), hq, hkv, d, bs, gen)
     qd = torch.stack([q[n - 1] for n in lens])
-    out = torch.empty_like(qd)
+    out, scale = torch.empty_like(qd), (1 if relu else 8) * d ** -0.5
     prefix = torch.tensor([48], dtype=torch.int32, device=DEV) if cascade else None
     asynci_decode_triton(qd, cache, row.expand(len(lens), -1).contiguous(),
-                         torch.tensor(lens, dtype=torch.int32, device=DEV), sigma, d ** -0.5, pool, True, out,
+                         torch.tensor(lens, dtype=torch.int32, device=DEV), sigma, scale, pool, relu, out,
                          splits=3, prefix_len=prefix, prefix_splits=2)
-    errs = [worst_vs_float64(out[i:i + 1], qd[i:i + 1], cache, row[0], n, sigma, d ** -0.5, pool)
+    errs = [worst_vs_float64(out[i:i + 1], qd[i:i + 1], cache, row[0], n, sigma, scale, pool, relu, floor=True)
             for i, n in enumerate(lens)]
-    kern, ref = max(e[0] for e in errs), max(e[1] for e in errs)
-    assert kern < ref, (kern, ref)
+    kern, ref, floor = (max(e[i] for e in errs) for i in range(3))
+    assert kern < 1.1 * floor, (kern, ref, floor)
 
 
 # ---- on a GPU: realistic shapes, bf16 ------------------------------------------------------

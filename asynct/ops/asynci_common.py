@@ -146,15 +146,45 @@ def halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, 
 
 
 @_jit
+def gate_dot(a, v, acc, PREC: tl.constexpr, STACKED: tl.constexpr):
+    """acc + a @ v for fp32 gates a in [0, 1] and a tile v, exactly: a 16-bit v takes a as its
+    rounding to v's type plus what that rounding left out. One bf16 rounding of every gate (up
+    to 2^-9 relative, as the torch backend rounds it) was the Triton engine's whole excess over
+    exact attention in teacher-forced bf16 logprobs (h80 in the prefill, gqa2 in the decode;
+    bf16_parity.py). Two products, or STACKED: a's second half of rows repeats its first half's
+    queries and takes the remainder, one product over rows a decode tile pads anyway (M >= 16
+    for GQA groups of 1-8), summed by unstack_rows. The prefill's second product costs its kernel
+    1.05x at 512 tokens and 1.21-1.27x at 2K-8K (H100, benchmarks/RESULTS.md)."""
+    if v.dtype == tl.float32:
+        if STACKED:
+            a = tl.where(tl.arange(0, a.shape[0])[:, None] < a.shape[0] // 2, a, 0.0)
+        return tl.dot(a, v, acc, input_precision=PREC)
+    hi = a.to(v.dtype)
+    if STACKED:
+        lo = (a - hi.to(tl.float32)).to(v.dtype)
+        return tl.dot(tl.where(tl.arange(0, a.shape[0])[:, None] < a.shape[0] // 2, hi, lo), v, acc,
+                      input_precision=PREC)
+    acc = tl.dot(hi, v, acc, input_precision=PREC)
+    return tl.dot((a - hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
+
+
+@_jit
+def unstack_rows(acc, M: tl.constexpr, D: tl.constexpr):
+    """[M // 2, D]: a STACKED gate_dot's two halves of rows added."""
+    return tl.sum(tl.reshape(acc, [2, M // 2, D]), axis=0)
+
+
+@_jit
 def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
                 D: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr, P: tl.constexpr,
-                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr):
+                RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr, PTX: tl.constexpr,
+                STACKED: tl.constexpr):
     """fp32 [M, D]: AsyncI of the query rows `q` over keys [lo, hi) of one KV head, their pool
     window reaching back into the P-1 keys before lo (the halo, recomputed; none before key 0).
-    The cache as kv_operands gives it.
+    The cache as kv_operands gives it; the gates' product as gate_dot's STACKED says.
     The halo tile is taken only where keys precede lo. A row's first split (every row of a
     batch of 99+ sequences, one split each) then skips its load and dot, and in its own branch
-    the halo leaves the key loop its registers: the decode's variants take 110-123 a thread, not
+    the halo leaves the key loop its registers: the decode's variants take 111-125 a thread, not
     124-162 (sm_90), four programs an SM uncapped. The decode alone (H200): 1.01-1.03x at 8-256
     rows; gsm8k-shaped cascade rows (a halo in every split, ~4 tiles each) 1.015x slower, the
     branch's load no longer overlapping the loop's first ones (benchmarks/RESULTS.md)."""
@@ -173,7 +203,7 @@ def attend_keys(q, sigma, k_ptr, v_ptr, bt_row_ptr, vs_ptr, kvh, lo, hi, scale, 
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         r = tl.where(kmask[None, :], tl.maximum(s, 0.0) if RELU else s, 0.0)
         a = tl.where(kmask[None, :], pool_gate(s, r, r_prev, sigma, P, BLOCK_N), 0.0)
-        acc += tl.dot(a.to(v.dtype), v, input_precision=PREC)
+        acc = gate_dot(a, v, acc, PREC, STACKED)
         r_prev = r
     return apply_v_scale(acc, vs_ptr, kvh, D, FP8)
 

@@ -4,12 +4,13 @@ dispatch between it and the CUDA kernel of cuda_ext.py.
 Stage 1: a program per (sequence, KV head, split) scores its key range for all query heads of
 the KV group at once (one K/V load serves them all), forms the causal pool from the previous
 tile's scores kept in registers (a `tl.gather` shift, no Toeplitz product), and accumulates
-`a @ V` in fp32. Its first tile's halo, the P-1 scores left of the split, is recomputed from
-those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so the partials of
-disjoint key ranges simply add. A graph's split count is sized for its longest context; the
-splits past a shorter sequence's last key load no keys and store nothing, and the sum reads
-only the others. Cascade (a prefix every row shares): the same launch's first programs take
-the prefix for 16 query rows each (_prefix_tile), and the sum adds their partials too.
+`a @ V` in fp32, each gate as its bf16 rounding plus the remainder in a query tile that holds
+the group twice (gate_dot). Its first tile's halo, the P-1 scores left of the split, is
+recomputed from those P-1 keys (none left of key 0). Stage 2: AsyncI has no normalisation, so
+the partials of disjoint key ranges simply add. A graph's split count is sized for its longest
+context; the splits past a shorter sequence's last key load no keys and store nothing, and the
+sum reads only the others. Cascade (a prefix every row shares): the same launch's first programs
+take the prefix for 8 query rows each (_prefix_tile), and the sum adds their partials too.
 
 The pieces it shares with prefill (K/V row loads, FP8 scales, the pool's gate, split sums) are
 in asynci_common.py."""
@@ -20,7 +21,7 @@ import torch
 from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pdl, pow2, tl, wait_for_prior
 from asynct.ops.asynci_common import (MAX_PREFIX_SPLITS, attend_keys, cascade_direct, check_layer, fold_k_scale,
                                       kv_operands, layer_layout, scale_args, sm_count, split_output,
-                                      split_range, sum_splits, sum_splits_launch)
+                                      split_range, sum_splits, sum_splits_launch, unstack_rows)
 from asynct.ops.kv_cache import check_kv_cache
 from asynct.ops.paged_ref import asynci_decode_ref
 
@@ -28,7 +29,7 @@ from asynct.ops.paged_ref import asynci_decode_ref
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md)
 BLOCK_N = 64
 # Every variant (a shared prefix's partials, the rows in an order, bf16 or FP8 cache) takes
-# 110-128 registers a thread at the compiler's will (sm_90): four programs an SM, which a program
+# 111-125 registers a thread at the compiler's will (sm_90): four programs an SM, which a program
 # an SM fewer would cost 8-25 % (H200). Caps of 128 held them there while the halo tile sat
 # before the loop (156-162 uncapped); they now change nothing (steps of 1-256 sequences
 # 0.99-1.00x). At 96 (five an SM) the plain variant ran batch-8 steps 3 % slower
@@ -50,17 +51,21 @@ def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_p
     if CASCADE:
         direct = cascade_direct(plen_ptr, tl.num_programs(2))
     wait_for_prior(PDL)
-    g = tl.arange(0, M)
-    gmask = g < G
+    # the tile's second half of rows repeats the first's heads for the gates' remainder (gate_dot)
+    g = tl.arange(0, M) % (M // 2)
     head = kvh * G + g
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + head[:, None] * sqh + d[None, :],
-                mask=gmask[:, None], other=0.0)
+                mask=(g < G)[:, None], other=0.0)
     q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
-    sigma = tl.load(sigma_ptr + head, mask=gmask, other=0.0)
+    sigma = tl.load(sigma_ptr + head, mask=g < G, other=0.0)
     bt_row = bt_ptr + b.to(tl.int64) * sbt
     acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_row, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
+                      D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, True)
+    acc = unstack_rows(acc, M, D)
+    g = tl.arange(0, M // 2)
+    gmask = g < G
+    head = kvh * G + g
     dst = out_ptr + b.to(tl.int64) * sob + head[:, None] * soh + split * sos + d[None, :]
     # splits past the last key load and add nothing (lo >= hi) and leave no partial to sum
     mask = gmask[:, None] & (split < used)
@@ -74,23 +79,29 @@ def _decode_row(q_ptr, k_ptr, v_ptr, bt_ptr, seq_ptr, sigma_ptr, out_ptr, plen_p
 
 
 @_jit
+def _prefix_rows(p, kvh, B, G, S_PRE, M: tl.constexpr, N: tl.constexpr):
+    """Batch rows, heads and mask of prefix tile p's M / 2 query rows: N = M holds them twice
+    over (the gates' remainder, as _decode_row's), N = M / 2 once."""
+    rows = (p // S_PRE) * (M // 2) + tl.arange(0, N) % (M // 2)
+    b = rows // G
+    return b, kvh * G + rows % G, b < B
+
+
+@_jit
 def _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, p, kvh, B, HKV, scale, sqb, sqh,
                  s_blk, s_tok, s_head, G, S_PRE, ks_ptr, vs_ptr,
                  D: tl.constexpr, BS: tl.constexpr, M: tl.constexpr, BLOCK_N: tl.constexpr,
                  P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
                  PTX: tl.constexpr, PDL: tl.constexpr):
     """Split p % S_PRE of the keys [0, prefix_len) that every row shares (row 0's blocks), for
-    M query rows (row, head) of KV head kvh, from M / G rows of the batch: each prefix key is
-    loaded once per M query rows instead of once per row. Every prefix key precedes every
+    M / 2 query rows (row, head) of KV head kvh, from M / 2G rows of the batch: each prefix key
+    is loaded once per M / 2 query rows instead of once per row. Every prefix key precedes every
     query: no causal mask. Writes pre[row, head, split]; nothing where no prefix is shared."""
     split = p % S_PRE
     lo, hi, _, _ = split_range(plen_ptr, plen_ptr, 0, split, S_PRE, BLOCK_N, False)
     if hi > 0:      # hi is 0 exactly when no prefix is shared: a graph's empty pass exits here
         wait_for_prior(PDL)
-        rows = (p // S_PRE) * M + tl.arange(0, M)
-        b = rows // G
-        head = kvh * G + rows % G
-        rmask = b < B
+        b, head, rmask = _prefix_rows(p, kvh, B, G, S_PRE, M, M)
         d = tl.arange(0, D)
         # int32 offsets: a decode batch's q is far below 2**31 elements, and int64 ones held 33
         # more registers a thread through the key loop (148: three programs an SM; sm_90)
@@ -98,7 +109,9 @@ def _prefix_tile(q_ptr, k_ptr, v_ptr, bt_ptr, plen_ptr, sigma_ptr, pre_ptr, p, k
         q = fold_k_scale(q, ks_ptr, kvh, D, FP8)
         sigma = tl.load(sigma_ptr + head, mask=rmask, other=0.0)
         acc = attend_keys(q, sigma, k_ptr, v_ptr, bt_ptr, vs_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head,
-                          D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX)
+                          D, BS, BLOCK_N, P, RELU, PREC, FP8, PTX, True)
+        acc = unstack_rows(acc, M, D)
+        b, head, rmask = _prefix_rows(p, kvh, B, G, S_PRE, M, M // 2)
         dst = pre_ptr + ((b * HKV * G + head) * S_PRE + split)[:, None] * D + d[None, :]
         tl.store(dst, acc, mask=rmask[:, None])
 
@@ -209,12 +222,12 @@ class DecodeLaunch:
         g = hq // hkv
         # a pool window reaches back into one previous tile only (pool_gate), so P - 1 <= BLOCK_N
         block_n = max(block_n, next_power_of_2(int(pool_size)))
-        m = max(16, next_power_of_2(g))
+        m = max(16, next_power_of_2(2 * g))    # the rows twice over (_decode_row)
         cascade = prefix_len is not None and not accumulate   # a hint: an accumulating decode reads every key
         s_pre = n_pre = 0
         if cascade:     # the prefix tiles' programs first, then the rows'; their partials for the sum
-            s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m, sms, splits)
-            n_pre = cdiv(b * g, m) * s_pre
+            s_pre = prefix_splits or num_prefix_splits(b, hkv, g, hint, m // 2, sms, splits)
+            n_pre = cdiv(b * g, m // 2) * s_pre
         pre = split_output(q, s_pre, partials=True)[0] if cascade else None
         # accumulating: straight into out; cascade: partials even for one split, for the sum to add pre
         self.splits = 1 if accumulate else splits

@@ -16,9 +16,9 @@ the P-1 scores left of its first key, as the decode kernel does."""
 import torch
 
 from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
-from asynct.ops.asynci_common import (apply_v_scale, check_layer, fold_k_scale, kv_row_offsets, layer_layout,
-                                      load_kv_rows, load_rows, scale_args, sm_count, split_output, sum_all_splits,
-                                      sum_all_splits_launch)
+from asynct.ops.asynci_common import (apply_v_scale, check_layer, fold_k_scale, gate_dot, kv_row_offsets,
+                                      layer_layout, load_kv_rows, load_rows, scale_args, sm_count, split_output,
+                                      sum_all_splits, sum_all_splits_launch)
 # the plan, re-exported where benchmarks and tests have always found it
 from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, _block_m,  # noqa: F401
                                             _slice_keys, key_config, plan_prefill, seqs_per_group)
@@ -61,23 +61,6 @@ def _band_dot(hi, lo, f, lp):
 
 
 @_jit
-def _gate_dot(a, v, acc, PREC: tl.constexpr):
-    """acc + a @ v for fp32 gates a in [0, 1] and a 16-bit tile v: a goes in as its rounding to
-    v's type plus what that rounding left out, a second product. One bf16 rounding of every gate
-    (up to 2^-9 relative, as the torch backend rounds it) was the Triton engine's whole excess
-    over exact attention in teacher-forced bf16 logprobs (h80, bf16_parity.py). The product costs
-    the kernel 1.05x at 512 tokens and 1.21-1.27x at 2K-8K (still 1.09-1.17x SDPA flash), an
-    evaluation's scoring pass 3 % (H100, benchmarks/RESULTS.md)."""
-    if v.dtype == tl.float32:
-        acc = tl.dot(a, v, acc, input_precision=PREC)
-    else:
-        hi = a.to(v.dtype)
-        acc = tl.dot(hi, v, acc, input_precision=PREC)
-        acc = tl.dot((a - hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
-    return acc
-
-
-@_jit
 def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, lp_next, f_cur, f_prev, kvh,
           s_blk, s_tok, s_head, scale, BS: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
           P: tl.constexpr, RELU: tl.constexpr, PREC: tl.constexpr, MASKED: tl.constexpr):
@@ -105,7 +88,7 @@ def _tile(q, k_ptr, v_ptr, bt_row, rows, j0, hi, pos, sigma, acc, lp_next, f_cur
     a = tl.minimum(tl.maximum(s - sigma[:, None] * (lp / P), 0.0), 1.0)
     if MASKED:
         a = tl.where(valid, a, 0.0)
-    return _gate_dot(a, v, acc, PREC), lp_next, rows
+    return gate_dot(a, v, acc, PREC, False), lp_next, rows
 
 
 @_jit
