@@ -715,23 +715,38 @@ def test_small_decode_steps_adding_into_fp32_sums_match_the_reference(tiny_ckpt,
     assert [o.outputs[0].token_ids for o in outs] == reference_greedy(reference, prompts, 8)
 
 
+def assert_greedy_close(got, want, name):
+    """vLLM's check for engines that round differently (check_logprobs_close): each sequence's
+    greedy tokens are equal until one engine's pick is a token the other ranks in its top
+    logprobs too (a near-tie); past it the continuations differ and are not compared."""
+    for g, w in zip(got, want):
+        for i, (tg, tw) in enumerate(zip(g.token_ids, w.token_ids)):
+            if tg != tw:
+                assert tg in w.logprobs[i] and tw in g.logprobs[i], (name, i, tg, tw)
+                break
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_small_decode_batches_on_gpu_match_torch_backend(tiny_ckpt, dtype):
     """One to four sequences decode, the smallest steps through the fp32 sums (QKV zeroes them,
     the decode adds its splits by atomics, o_proj reads them), in CUDA graphs and eagerly: greedy
-    tokens equal the torch backend's in fp32; in bf16 (where o_proj takes fp32 beside bf16
-    weights) the three agree on at least 90 % of the tokens, the sums' order and rounding aside."""
+    tokens equal the torch backend's in fp32; in bf16, where the torch backend rounds every gate
+    and score to bf16 and the Triton kernels round only their outputs, they are equal up to
+    near-ties (assert_greedy_close; token agreement alone varied with that rounding: 84 % after
+    the decode's gate became exact, H100)."""
     prompts = random_prompts(4, 100, 300, seed=8)
-    runs = gpu_backend_runs(tiny_ckpt, lambda llm: sum((greedy_tokens(llm, prompts[:n]) for n in range(1, 5)), []),
-                            dtype)
-    if dtype == "float32":
-        assert runs["triton-graphs"] == runs["torch"] and runs["triton-eager"] == runs["torch"]
-        return
-    want = [t for seq in runs["torch"] for t in seq]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
+
+    def run(llm):
+        return [o.outputs[0] for n in range(1, 5) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts[:n]], params, use_tqdm=False)]
+    runs = gpu_backend_runs(tiny_ckpt, run, dtype)
     for name in ("triton-graphs", "triton-eager"):
-        got = [t for seq in runs[name] for t in seq]
-        assert sum(a == b for a, b in zip(got, want)) >= 0.9 * len(want), name
+        if dtype == "float32":
+            assert [o.token_ids for o in runs[name]] == [o.token_ids for o in runs["torch"]], name
+        else:
+            assert_greedy_close(runs[name], runs["torch"], name)
 
 
 POISON = -17     # a seed that marks the sequence whose sampling is made to raise
