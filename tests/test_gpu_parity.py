@@ -10,7 +10,7 @@ to the torch backend's.
 - Issue 13's target, the worst error at most 1.2x the torch backend's, is an expected failure
   here: the worst of 2,724 logprobs is the one token that bf16 rounding anywhere happens to
   amplify most. Over bf16_parity.py's three seeds every shape met it (0.83-1.08x, H100), but
-  over this test's two bench-like-d128 reads 1.39x. Its seed 1's worst is one token: on the GPU
+  over this test's two bench-like-d128 reads 1.39x. Its seed 1's worst logprob error: on the GPU
   0.53 through the torch backend, 0.57 with that backend's attention exact (the script's noise
   control) and 0.74 through the Triton engine, whose linear layers are its own kernels; on the
   CPU, where both engines share every op but attention, 0.770 through either (the Triton
