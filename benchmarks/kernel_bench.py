@@ -146,8 +146,9 @@ def decode(copy_bw, sweep):
             if have_cuda:
                 variants.append(("cuda", cuda_ext.asynci_decode_cuda, {}))
             variants.append(("dispatch", ops.asynci_decode, {}))
-            if engine_kwargs(b, t):
-                variants.append(("triton, engine", asynci_decode_triton, engine_kwargs(b, t)))
+            engine = engine_kwargs(b, t)
+            if engine:
+                variants.append(("triton, engine", asynci_decode_triton, engine))
             if sweep:
                 variants += [(f"tri n{bn} w{w} st{st}", asynci_decode_triton,
                               dict(block_n=bn, num_warps=w, num_stages=st))

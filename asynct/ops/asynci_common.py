@@ -146,6 +146,14 @@ def halo_scores(q, k_ptr, bt_row_ptr, kvh, lo, hi, scale, s_blk, s_tok, s_head, 
 
 
 @_jit
+def split16(x, dtype: tl.constexpr):
+    """fp32 x as its rounding to a 16-bit dtype and what that rounding left out, in that dtype:
+    two operands whose products with an exact tile sum to x's in fp32."""
+    hi = x.to(dtype)
+    return hi, (x - hi.to(tl.float32)).to(dtype)
+
+
+@_jit
 def gate_dot(a, v, acc, PREC: tl.constexpr, STACKED: tl.constexpr):
     """acc + a @ v for fp32 gates a in [0, 1] and a tile v, exactly: a 16-bit v takes a as its
     rounding to v's type plus what that rounding left out. One bf16 rounding of every gate (up
@@ -155,15 +163,18 @@ def gate_dot(a, v, acc, PREC: tl.constexpr, STACKED: tl.constexpr):
     queries and takes the remainder, one product over rows a decode tile pads anyway (M >= 16
     for GQA groups of 1-8), summed by unstack_rows. The prefill's second product costs its kernel
     1.05x at 512 tokens and 1.21-1.27x at 2K-8K (H100, benchmarks/RESULTS.md)."""
-    if v.dtype == tl.float32:
-        if STACKED:
-            a = tl.where(tl.arange(0, a.shape[0])[:, None] < a.shape[0] // 2, a, 0.0)
-        return tl.dot(a, v, acc, input_precision=PREC)
-    hi = a.to(v.dtype)
     if STACKED:
-        lo = (a - hi.to(tl.float32)).to(v.dtype)
-        return tl.dot(tl.where(tl.arange(0, a.shape[0])[:, None] < a.shape[0] // 2, hi, lo), v, acc,
-                      input_precision=PREC)
+        first = tl.arange(0, a.shape[0])[:, None] < a.shape[0] // 2
+        if v.dtype == tl.float32:
+            return tl.dot(tl.where(first, a, 0.0), v, acc, input_precision=PREC)
+        hi, lo = split16(a, v.dtype)
+        return tl.dot(tl.where(first, hi, lo), v, acc, input_precision=PREC)
+    if v.dtype == tl.float32:
+        return tl.dot(a, v, acc, input_precision=PREC)
+    # the remainder formed after the first product, not with it: the prefill's 64 x 32 config then
+    # compiles to 172 registers, two programs an SM, not 168 (sm_90); three an SM, as a cap of 168
+    # gave, ran 1.12x slower at 2K tokens (H100, benchmarks/RESULTS.md)
+    hi = a.to(v.dtype)
     acc = tl.dot(hi, v, acc, input_precision=PREC)
     return tl.dot((a - hi.to(tl.float32)).to(v.dtype), v, acc, input_precision=PREC)
 

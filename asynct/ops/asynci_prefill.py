@@ -18,7 +18,7 @@ import torch
 from asynct.ops._triton import KernelLaunch, jit as _jit, cdiv, next_power_of_2, pow2, tl, triton
 from asynct.ops.asynci_common import (apply_v_scale, check_layer, fold_k_scale, gate_dot, kv_row_offsets,
                                       layer_layout, load_kv_rows, load_rows, scale_args, sm_count, split_output,
-                                      sum_all_splits, sum_all_splits_launch)
+                                      split16, sum_all_splits, sum_all_splits_launch)
 # the plan, re-exported where benchmarks and tests have always found it
 from asynct.ops.asynci_prefill_plan import (MAX_SPLITS, PREFILL_CONFIGS, _block_m,  # noqa: F401
                                             _slice_keys, key_config, plan_prefill, seqs_per_group)
@@ -46,9 +46,7 @@ def _pool_operand(r, dtype: tl.constexpr):
     rounding left out. One fp16 rounding put up to 5.6x the output's own bf16 rounding on the
     kernel's error where scores reach ~20 with relu off (the pool is then of raw scores, and
     sigma * pool cancels against s to leave a gate in 0..1). Scores past 2^15 are not real ones."""
-    r = tl.minimum(tl.maximum(r, -32768.0), 32768.0)
-    hi = r.to(dtype)
-    return hi, (r - hi.to(tl.float32)).to(dtype)
+    return split16(tl.minimum(tl.maximum(r, -32768.0), 32768.0), dtype)
 
 
 @_jit
