@@ -612,7 +612,7 @@ def test_prefill_bf16_beats_torch_backend(seed):
     """Two chunks (one after a cached prefix) through the launch plan's key splits and halos.
     The gate goes into a @ V as its bf16 rounding plus the remainder, so the kernel's error is
     the output's own bf16 rounding: 0.06-0.12x the torch path's worst here. With the gate
-    rounded once to bf16 (as the torch backend and the decode kernels do) it was 0.50-1.15x."""
+    rounded once to bf16 (as the torch backend does) it was 0.50-1.15x."""
     gen = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, pool, n = 4, 2, 32, 16, 3, 150
     qs, cache, row, sigma, qsl, seq, q_lens, lens = bf16_chunks(n, hq, hkv, d, bs, gen)
