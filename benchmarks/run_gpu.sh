@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The lead's end-to-end GPU session: one call, every benchmark, logs under $OUT.
 # Usage (device tool): bash benchmarks/run_gpu.sh [stages...]
-#   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
+#   stages: smoke gputests sampling runtime first-latency startup issue13 issue13-rest order atomic mlp-atomic mlp-flags persistent fp8 vllm parity sweep decode-sweep decode-engine small-batch
 #           mixed-host host-phases replay-cost splitk
 #           bench engine profile profile-gsm8k prefill-profile
 #           ablation cascade serve eval eval-mc loglikelihood dp
@@ -66,6 +66,8 @@ for s in $stages; do
              timeout 200 python3 benchmarks/decode_atomic.py 2>&1 | tee $OUT/atomic.log ;;
     mlp-atomic) # a dropped lead: batch 1's MLP as one kernel, down's K split over gate/up's programs (atomics)
              (cd benchmarks && PYTHONPATH=.. timeout 200 python3 mlp_atomic.py) 2>&1 | tee $OUT/mlp_atomic.log ;;
+    mlp-flags) # a lead, untimed: batch 1's kernel boundary as a counter the producers add to, not a grid wait
+             (cd benchmarks && PYTHONPATH=.. timeout 200 python3 mlp_flags.py) 2>&1 | tee $OUT/mlp_flags.log ;;
     first-latency) # a fresh machine's first process: empty Triton cache, cold imports
              timeout 300 python3 -m asynct.entrypoints.cli bench --model $M --no-warmup --breakdown \
                --workloads latency,throughput --gpu-memory-utilization 0.45 2>&1 | grep -v "^{" | tee $OUT/first.log ;;

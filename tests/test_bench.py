@@ -1,5 +1,6 @@
 """`asynct bench` and the ablation of the original vLLM adaptation's stages run end to end on the CPU (tiny preset)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +250,15 @@ def test_eval_bench_extrapolates_hf_generation_by_batches(tmp_path, monkeypatch)
     assert eval_bench.run_hf("m", 64, 1319, tmp_path, {}, args)[0] == pytest.approx(10.0 + 8.0 * 20)
     args.task = "tiny_gsm_mc"
     assert eval_bench.run_hf("m", 50, 200, tmp_path, {}, args)[0] == pytest.approx(10.0 + 8.0 * 3)
+
+
+def test_mlp_flags_matches_the_engine_pair_interpreted():
+    """benchmarks/mlp_flags.py's counter-handshake MLP (a GPU lead) computes the engine's
+    gate/up -> down pair in every mode: its timings mean nothing if its numbers differ."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mlp_flags.py"), "--check"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    diffs = {line.split(":")[0]: float(line.split()[-1]) for line in r.stdout.splitlines() if "max |diff|" in line}
+    assert set(diffs) == {"grid", "count late", "count early"} and max(diffs.values()) < 1e-5, r.stdout
