@@ -28,8 +28,9 @@ from asynct.ops.paged_ref import asynci_decode_ref
 # Keys a tile. benchmarks/decode_sweep.py found no tile / warps / split rule that wins on every
 # batch (32 keys: 10-15 % faster at batches of 1-8, 4-10 % slower at 128-256; RESULTS.md). One
 # KV head a program: two or four side by side (one tile of 2-4 x 128 columns, each query row zero
-# outside its own head's) saved pool and gate work a byte but ran 0.66-0.98x, steps 0.88-0.93x
-# (H100, branch exp-decode-heads, RESULTS.md)
+# outside its own head's) saved pool and gate work a byte but ran at 0.34-1.04x one head's speed
+# (one win in 46 shapes and launches), whole steps 0.88-0.93x (H100, branch exp-decode-heads,
+# RESULTS.md)
 BLOCK_N = 64
 # Every variant (a shared prefix's partials, the rows in an order, bf16 or FP8 cache) takes
 # 111-125 registers a thread at the compiler's will (sm_90): four programs an SM, which a program
