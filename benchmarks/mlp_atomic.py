@@ -68,13 +68,20 @@ def make_layers(n, c, inter, dtype, device, gen):
     return layers, a, dw
 
 
-def one_layer_difference(c, inter, dtype, device, hb, warps):
-    """The one kernel against the pair (the torch references off the GPU), one layer."""
+def one_layer_reference(c, inter, dtype, device):
+    """One layer's weights, its residual and DyHT'd input, and the engine's pair's hidden state
+    and next input from them (the torch references off the GPU): what a prototype must match."""
     gen = torch.Generator().manual_seed(0)
     (layer,), a, dw = make_layers(1, c, inter, dtype, device, gen)
     res = (torch.randn(1, c, generator=gen) * 2).to(dtype).to(device)
     x = ops.dyht(res, a, dw)
-    hidden, _ = fl.linear_dyht_add(fl.linear_reglu(x, layer["w_gu"]), layer["w_down"], res, a, dw)
+    hidden, x_next = fl.linear_dyht_add(fl.linear_reglu(x, layer["w_gu"]), layer["w_down"], res, a, dw)
+    return layer, a, dw, res, x, hidden, x_next
+
+
+def one_layer_difference(c, inter, dtype, device, hb, warps):
+    """The one kernel against the pair, one layer."""
+    layer, a, dw, res, _, hidden, _ = one_layer_reference(c, inter, dtype, device)
     sums_in, sums_out = torch.zeros(c, device=device), torch.zeros(c, device=device)
     res_out = torch.empty(c, dtype=dtype, device=device)
     mlp_atomic(sums_in, res.view(-1), res_out, layer["w_gu"], layer["w_dt"], sums_out, a, dw, hb, warps)

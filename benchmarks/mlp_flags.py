@@ -22,10 +22,9 @@ import argparse
 
 import torch
 
-from asynct import ops
 from asynct.ops import fused_linear as fl
 from asynct.ops._triton import gdc_launch_dependents, gdc_wait, jit, next_power_of_2, pdl, tl
-from mlp_atomic import C, INTER, LAYERS, make_layers
+from mlp_atomic import C, INTER, LAYERS, make_layers, one_layer_reference
 
 MODES = {"grid": 0, "count late": 1, "count early": 2}
 
@@ -121,11 +120,7 @@ class Chain:
 
 
 def one_layer_difference(c, inter, dtype, device, mode):
-    gen = torch.Generator().manual_seed(0)
-    (layer,), a, dw = make_layers(1, c, inter, dtype, device, gen)
-    res = (torch.randn(1, c, generator=gen) * 2).to(dtype).to(device)
-    x = ops.dyht(res, a, dw)
-    hidden, x_next = fl.linear_dyht_add(fl.linear_reglu(x, layer["w_gu"]), layer["w_down"], res, a, dw)
+    layer, a, dw, res, x, hidden, x_next = one_layer_reference(c, inter, dtype, device)
     chain = Chain([layer], a, dw, x, res)
     chain.step(mode)
     big = hidden.float().abs().max()
